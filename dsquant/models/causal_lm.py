@@ -1,0 +1,93 @@
+"""One decoder-only causal LM for all four families (DeepSeek V2/V3, Llama, Qwen2).
+
+The families differ only in the attention module (MLA or GQA) and the MLP (MoE or dense), so
+one `CausalLM` builds either from the config; module names match the checkpoints' tensor names
+("model.layers.{i}.self_attn.q_a_proj.weight"), so loading copies tensors by name. Modules are
+created on the meta device; the loader materialises them on the target device from the
+checkpoint, one decoder layer at a time if asked.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsquant.config import ModelConfig
+from dsquant.models.attention import EagerAttention, EagerContext, GQAAttention, MLAttention
+from dsquant.models.layers import Backends, GatedMLP, RMSNorm
+from dsquant.models.moe import MoE, LoopMoE
+from dsquant.models.rope import inv_freq_and_attention_factor
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, backends: Backends):
+        super().__init__()
+        prefix = f"model.layers.{idx}"
+        self.layer_idx = idx
+        attn_backend = backends.attention or EagerAttention()
+        attn_cls = MLAttention if cfg.is_deepseek else GQAAttention
+        self.self_attn = attn_cls(cfg, f"{prefix}.self_attn", backends, attn_backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe_layer(idx):
+            self.mlp = MoE(cfg, f"{prefix}.mlp", backends, backends.moe or LoopMoE())
+        else:
+            self.mlp = GatedMLP(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, backends)
+
+    def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        # hidden [B, T, hidden_size]
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderStack(nn.Module):
+    """`model.*` in the checkpoint: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, backends: Backends):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backends) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids [B, T]) -> logits [B, T, vocab]; reference path unless backends say else."""
+
+    def __init__(self, cfg: ModelConfig, backends: Backends | None = None):
+        super().__init__()
+        self.config = cfg
+        self.backends = backends or Backends()
+        self.model = DecoderStack(cfg, self.backends)
+        self.lm_head = self.backends.linear("lm_head", cfg.hidden_size, cfg.vocab_size, False)
+        rot = cfg.qk_rope_head_dim if cfg.is_deepseek else cfg.dense_head_dim
+        inv_freq, self.rope_attention_factor = inv_freq_and_attention_factor(cfg.rope, rot)
+        self.inv_freq = inv_freq  # [rot/2] fp32; a plain attribute, so meta/to_empty leave it alone
+
+    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] int -> cos, sin [..., rot/2] fp32, attention factor included."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        return freqs.cos() * self.rope_attention_factor, freqs.sin() * self.rope_attention_factor
+
+    def eager_context(self, positions: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        cos, sin = self.rope_cos_sin(positions)
+        return EagerContext(cos=cos, sin=sin, attention_mask=attention_mask)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, ctx=None) -> torch.Tensor:
+        # input_ids [B, T]; positions [B, T] (default 0..T-1); attention_mask [B, T] (1 = token)
+        if positions is None:
+            t = input_ids.shape[-1]
+            positions = torch.arange(t, device=input_ids.device).expand(input_ids.shape)
+        if ctx is None:
+            ctx = self.eager_context(positions, attention_mask)
+        hidden = self.embed(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, ctx)
+        return self.logits(hidden)

@@ -1,0 +1,161 @@
+"""Build a model from a checkpoint directory and fill it tensor by tensor, optionally per layer.
+
+`load_model(path)` gives the reference model (dense linears). Quantized tensors found where the
+model has a dense weight are dequantized as they load: DeepSeek-V3 native FP8 (`weight` e4m3 +
+`weight_scale_inv`), AWQ "gemm" and GPTQ v1. Linears made by a runtime factory carry the
+checkpoint's own tensor names, and their tensors are copied as they are.
+Never executes code from a checkpoint and never unpickles.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dsquant import formats
+from dsquant.config import ModelConfig, load_config
+from dsquant.errors import CheckpointError
+from dsquant.models.causal_lm import CausalLM
+from dsquant.models.checkpoint import CheckpointReader, layer_of
+from dsquant.models.layers import Backends
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_FP32_PARAMS = ("e_score_correction_bias",)  # kept in fp32, as transformers does
+
+
+def default_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The checkpoint's own float dtype when it is bf16/fp16/fp32, else bf16 (DeepSeek's)."""
+    return _DTYPE_NAMES.get(str(cfg.torch_dtype), torch.bfloat16)
+
+
+class WeightSource:
+    """Resolves a model parameter name to a tensor from the checkpoint, dequantizing if needed."""
+
+    def __init__(self, reader: CheckpointReader, cfg: ModelConfig):
+        self.reader, self.cfg = reader, cfg
+        q = cfg.quantization_config or {}
+        self.quant_method = q.get("quant_method")
+        self.group_size = q.get("group_size", q.get("q_group_size", 128))
+        self.consumed: set[str] = set()
+
+    def _take(self, key: str) -> torch.Tensor:
+        self.consumed.add(key)
+        return self.reader.get(key)
+
+    def dense_weight(self, key: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The float [N, K] weight for `key` (`<module>.weight`), or None if nothing provides it."""
+        reader, prefix = self.reader, key[: -len(".weight")]
+        if key in reader:
+            t = self._take(key)
+            if t.dtype in FP8_DTYPES:
+                scale_key = f"{prefix}.weight_scale_inv"
+                if scale_key not in reader:
+                    raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} is {t.dtype} but "
+                                          f"{scale_key!r} is missing (FP8 block weights need it)")
+                try:
+                    return formats.dequantize_fp8_block(t, self._take(scale_key), dtype)
+                except ValueError as e:
+                    raise CheckpointError(f"{reader.file_of(scale_key)}: tensor {scale_key!r}: {e}") from None
+            return t
+        if f"{prefix}.qweight" in reader:
+            qw, qz, sc = (self._take(f"{prefix}.{n}") for n in ("qweight", "qzeros", "scales"))
+            if self.quant_method == "gptq" or f"{prefix}.g_idx" in reader:
+                g_idx = self._take(f"{prefix}.g_idx") if f"{prefix}.g_idx" in reader else \
+                    formats.group_index(qw.shape[0] * 8, self.group_size)
+                return formats.dequantize_gptq(qw, qz, sc, g_idx, dtype)
+            return formats.dequantize_awq(qw, qz, sc, self.group_size, dtype)
+        return None
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    else:
+        mod._buffers[attr] = value
+
+
+def _check(name: str, src: torch.Tensor, expected: torch.Tensor, reader: CheckpointReader) -> None:
+    where = reader.file_of(name) if name in reader else reader.root
+    if tuple(src.shape) != tuple(expected.shape):
+        raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(src.shape)}, expected "
+                              f"{tuple(expected.shape)} from config.json")
+    if expected.dtype in FLOAT_DTYPES:
+        if src.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {src.dtype}, expected a float "
+                                  "dtype (bfloat16, float16 or float32)")
+    elif src.dtype != expected.dtype:
+        raise CheckpointError(f"{where}: tensor {name!r} has dtype {src.dtype}, expected {expected.dtype}")
+
+
+def load_tensors(model: CausalLM, source: WeightSource, names: list[str], device, dtype) -> None:
+    """Materialise the named parameters/buffers of `model` from the checkpoint on `device`."""
+    reader, cfg = source.reader, model.config
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers(remove_duplicate=False)))
+    for name in names:
+        meta = params[name]
+        target = torch.float32 if name.endswith(_FP32_PARAMS) else dtype
+        src = None
+        if meta.dtype in FLOAT_DTYPES and name.endswith(".weight"):
+            src = source.dense_weight(name, target)
+        elif name in reader:
+            src = source._take(name)
+        if src is None and name == "lm_head.weight" and cfg.tie_word_embeddings:
+            src = source.dense_weight("model.embed_tokens.weight", target)
+        if src is None:
+            raise CheckpointError(f"{reader.root}: tensor {name!r} is missing from the checkpoint")
+        _check(name, src, meta, reader)
+        if meta.dtype in FLOAT_DTYPES:
+            src = src.to(target)
+        _set_tensor(model, name, src.to(device))
+
+
+def _names_of(model: nn.Module, layer: int | None) -> list[str]:
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    return [n for n in names if layer_of(n) == layer]
+
+
+def load_layer(model: CausalLM, source: WeightSource, layer: int | None, device, dtype) -> None:
+    """Materialise one decoder layer (None: embeddings, final norm, lm_head)."""
+    load_tensors(model, source, _names_of(model, layer), device, dtype)
+
+
+def release_layer(model: CausalLM, layer: int) -> None:
+    """Send a decoder layer's tensors back to the meta device (frees host/device memory)."""
+    model.model.layers[layer].to("meta")
+
+
+def check_unexpected(model: CausalLM, source: WeightSource) -> None:
+    """Every checkpoint tensor must have been used, except MTP layers and rotary buffers."""
+    n_layers = model.config.num_hidden_layers
+    left = [k for k in source.reader.keys() if k not in source.consumed
+            and not k.endswith("rotary_emb.inv_freq")
+            and not (layer_of(k) is not None and layer_of(k) >= n_layers)]
+    if left:
+        raise CheckpointError(f"{source.reader.file_of(left[0])}: tensor {left[0]!r} is not used by "
+                              f"{model.config.architecture} ({len(left)} unexpected tensors)")
+
+
+def open_model(path: str | Path, backends: Backends | None = None) -> tuple[CausalLM, WeightSource]:
+    """Config + meta-device model + weight source, for layer-by-layer streaming."""
+    cfg = load_config(path)
+    reader = CheckpointReader(path)
+    return CausalLM(cfg, backends), WeightSource(reader, cfg)
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+               backends: Backends | None = None) -> CausalLM:
+    """The whole model on `device` in `dtype` (default: the checkpoint's), ready for forward."""
+    model, source = open_model(path, backends)
+    dtype = dtype or default_dtype(model.config)
+    load_layer(model, source, None, device, dtype)
+    for i in range(model.config.num_hidden_layers):
+        load_layer(model, source, i, device, dtype)
+    check_unexpected(model, source)
+    return model.eval()
