@@ -1,0 +1,160 @@
+"""Paged decode attention for GQA / MHA (one new query token per sequence), split-KV.
+
+Layouts
+- query [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (kv_store.py writes them);
+  Hq = G x Hkv, query head h reads kv head h // G.
+- block_table [B, max_blocks] int32; seq_lens [B] int32 (tokens in the cache, the current one
+  included; 0 gives zeros, for padded batch rows).
+- out [B, Hq, D] in query's dtype. D need not be a power of two.
+
+Program (b, kv head, split) holds the G query heads of one kv head as the rows of one tile (padded
+to 16 for the tensor-core dot), so every key and value is read once for the whole group. It walks
+its chunk of the context in tiles of BLOCK_N tokens, each token's page found through the block
+table (any block_size divides BLOCK_N's positions), with an online softmax in base 2. With more
+than one split each program writes a partial result and split_kv_merge merges them.
+
+The number of splits is a heuristic on B x Hkv, the host-known max_seq_len and the SM count, so
+the launch is CUDA-graph safe (no device-to-host reads).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsquant.errors import DsquantError
+from dsquant.runtime.kernels.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_plan
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters; num_splits 0 means "choose by heuristic"."""
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    num_splits: int = 0
+
+
+@triton.jit
+def _paged_decode_gqa_kernel(
+    q_ptr, stride_qb, stride_qh,  # query [B, Hq, D]
+    k_ptr, v_ptr, stride_cblk, stride_ctok, stride_chead,  # caches [num_blocks, block_size, Hkv, D]
+    block_table_ptr, stride_bt, seq_lens_ptr,  # [B, max_blocks] int32, [B] int32
+    out_ptr, stride_ob, stride_oh,  # out [B, Hq, D] (NUM_SPLITS == 1)
+    part_out_ptr, part_lse_ptr,  # [B, Hq, S, D], [B, Hq, S] float32 (NUM_SPLITS > 1)
+    scale_log2, tokens_per_split, num_q_heads,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(seq_len, start + tokens_per_split)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g  # [BLOCK_G]
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_table_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
+        nmask = n < end
+        blk = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        row = blk * stride_cblk + (n % BLOCK_SIZE) * stride_ctok + kv_head * stride_chead  # [BLOCK_N]
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_G, BLOCK_N]
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    omask = gmask[:, None] & dmask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        row_id = (b * num_q_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_out_ptr + row_id[:, None] * HEAD_DIM + d[None, :], out, mask=omask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # empty chunk: -inf
+        tl.store(part_lse_ptr + row_id, lse, mask=gmask)
+
+
+def _check(query, k_cache, v_cache, block_table, seq_lens) -> None:
+    if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise DsquantError(f"paged decode: expected query [B, Hq, D] and caches [num_blocks, block_size, Hkv, D], "
+                           f"got {tuple(query.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or query.stride(-1) != 1:
+        raise DsquantError("paged decode: k_cache and v_cache need equal strides and a unit last stride, as does query")
+    hq, hkv = query.shape[1], k_cache.shape[2]
+    if hq % hkv or query.shape[2] != k_cache.shape[3]:
+        raise DsquantError(f"paged decode: {hq} query heads of dim {query.shape[2]} do not fit {hkv} kv heads "
+                           f"of dim {k_cache.shape[3]}")
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_table.shape[0] != query.shape[0]:
+        raise DsquantError(f"paged decode: block_table [B, max_blocks] and seq_lens [B] must be int32 with "
+                           f"B={query.shape[0]}, got {block_table.dtype} {tuple(block_table.shape)}, {seq_lens.dtype}")
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           max_seq_len: int | None = None, config: DecodeConfig = DecodeConfig(),
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of query [B, Hq, D] over the paged caches -> out [B, Hq, D].
+
+    max_seq_len (host int, an upper bound of seq_lens) sizes the splits; by default the block
+    table's capacity, max_blocks x block_size.
+    """
+    _check(query, k_cache, v_cache, block_table, seq_lens)
+    batch, hq, dim = query.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    if max_seq_len is None:
+        max_seq_len = block_table.shape[1] * block_size
+    if out is None:
+        out = torch.empty_like(query)
+    splits = config.num_splits or choose_num_splits(batch * hkv, max_seq_len, config.block_n, num_sms(query.device))
+    per_split = split_plan(max_seq_len, splits, config.block_n)
+    block_d = max(16, triton.next_power_of_2(dim))
+    if splits > 1:
+        part_out = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(batch, hq, splits, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused
+    _paged_decode_gqa_kernel[(batch, hkv, splits)](
+        query, query.stride(0), query.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table, block_table.stride(0), seq_lens,
+        out, out.stride(0), out.stride(1),
+        part_out, part_lse,
+        scale * LOG2E, per_split, hq,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, NUM_SPLITS=splits,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        merge_splits(part_out, part_lse, out)
+    return out
+
+
+def default_scale(head_dim: int) -> float:
+    """1 / sqrt(head_dim), the usual softmax scale."""
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,74 @@
+"""Split-KV decode: how many splits to use, and the log-sum-exp merge of the partial results.
+
+A decode kernel that splits each sequence's context into S chunks writes, per (row b, head h,
+split s), the chunk's softmax-normalised output and its log-sum-exp (base 2, scaled scores):
+- partial_out [B, H, S, Dv] float32, partial_lse [B, H, S] float32 (-inf for an empty chunk).
+The merge weighs each chunk by 2^(lse_s - max lse) and writes out [B, H, Dv] in out's dtype. A row
+whose chunks are all empty (seq_len 0, a padded batch row) gets zeros.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr,  # [B, H, S, Dv], [B, H, S] float32, contiguous
+    out_ptr, stride_ob, stride_oh,  # [B, H, Dv]
+    num_heads, num_splits, head_dim_v,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    s = tl.arange(0, BLOCK_S)
+    row = b * num_heads + h
+    smask = s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=smask, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # [BLOCK_S], 0 for empty chunks
+    dmask = d < head_dim_v
+    part = tl.load(part_out_ptr + (row * num_splits + s[:, None]) * head_dim_v + d[None, :],
+                   mask=smask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(w, 0)
+    acc = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """partial_out [B, H, S, Dv], partial_lse [B, H, S] (float32, contiguous) -> out [B, H, Dv] (unit last stride)."""
+    batch, heads, splits, dim_v = partial_out.shape
+    block_d = min(128, triton.next_power_of_2(dim_v))
+    grid = (batch, heads, triton.cdiv(dim_v, block_d))
+    _merge_kernel[grid](partial_out, partial_lse, out, out.stride(0), out.stride(1),
+                        heads, splits, dim_v, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d)
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; 132 (an H100/H200) elsewhere, so CPU runs pick like the GPU would."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def choose_num_splits(programs: int, max_seq_len: int, block_n: int, sms: int,
+                      waves: int = 4, min_tiles: int = 4, max_splits: int = 64) -> int:
+    """Splits per sequence so that programs x splits fills about `waves` x sms, each split >= min_tiles tiles.
+
+    `programs` is the launch's program count without splitting (batch x head groups). Decode at
+    large batch needs no split; one long sequence needs many.
+    """
+    if programs >= waves * sms:
+        return 1
+    wanted = triton.cdiv(waves * sms, programs)
+    useful = max(1, max_seq_len // (min_tiles * block_n))
+    return max(1, min(wanted, useful, max_splits))
+
+
+def split_plan(max_seq_len: int, num_splits: int, block_n: int) -> int:
+    """Tokens per split: a multiple of block_n covering max_seq_len in num_splits chunks."""
+    per = triton.cdiv(max(max_seq_len, 1), num_splits)
+    return triton.cdiv(per, block_n) * block_n
