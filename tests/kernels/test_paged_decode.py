@@ -28,6 +28,8 @@ def _run_case(device, dtype, seq_lens, block_size, kv_heads, group, head_dim, co
     ref = paged_decode_reference(query, k_cache, v_cache, table, lens, scale)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
+    for o, r in zip(out.float(), ref):  # per row, so long contexts' small outputs are held to bf16 precision too
+        assert (o - r).norm() <= 1e-2 * r.norm() + 1e-6
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 64])

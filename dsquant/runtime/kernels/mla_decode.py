@@ -1,0 +1,183 @@
+"""Absorbed MLA decode attention over a paged latent cache (DeepSeek V2/V3), split-KV.
+
+Absorbed form: with c_t the latent of token t ([R], R = kv_lora_rank) and k_pe_t its rope key
+([P], P = qk_rope_head_dim), head h's key is [W_UK_h c_t ; k_pe_t] and its value W_UV_h c_t. The
+caller folds W_UK into the query (q_nope_absorbed_h = W_UK_h^T q_nope_h) so that
+    score(h, t) = q_nope_absorbed_h . c_t + q_pe_h . k_pe_t,   out_h = sum_t softmax_t * c_t,
+and brings out_h [R] back through W_UV_h. One read of the latent cache serves every head.
+
+Layouts
+- q_nope [B, H, R] (absorbed), q_pe [B, H, P]; kv_cache [num_blocks, block_size, R + P] (latent then
+  rope key, written by kv_store.store_latent); R and P powers of two (DeepSeek: 512 and 64).
+- block_table [B, max_blocks] int32, seq_lens [B] int32 (0 gives zeros).
+- out [B, H, R] in q_nope's dtype: the attention output in latent space.
+- scale: the softmax scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times YaRN's mscale^2
+  when the config has rope_scaling (the caller computes it; it enters only here).
+
+Prefill (chunked or with a cached prefix) runs through this same kernel in absorbed form, one row
+per new token: `prefill_rows` turns (cu_seqlens_q, seq_lens, block_table) into per-token block
+tables and causal lengths (token i of a sequence sees positions 0 .. ctx + i). Each row re-reads
+its prefix (from L2 when rows of a sequence run together): exact, but not a tiled prefill kernel.
+
+Program (row b, head block, split) holds BLOCK_H heads as the rows of its tensor-core dots; each
+latent tile [BLOCK_N, R] is loaded once and used for both QK^T and PV.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsquant.errors import DsquantError
+from dsquant.runtime.kernels.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_plan
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Launch parameters; block_h 0 and num_splits 0 mean "choose by heuristic"."""
+    block_h: int = 0
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: int = 0
+
+
+@triton.jit
+def _mla_decode_kernel(
+    qn_ptr, stride_qnb, stride_qnh,  # q_nope [B, H, R]
+    qp_ptr, stride_qpb, stride_qph,  # q_pe [B, H, P]
+    cache_ptr, stride_cblk, stride_ctok,  # kv_cache [num_blocks, block_size, R + P]
+    block_table_ptr, stride_bt, seq_lens_ptr,  # [B, max_blocks] int32, [B] int32
+    out_ptr, stride_ob, stride_oh,  # out [B, H, R] (NUM_SPLITS == 1)
+    part_out_ptr, part_lse_ptr,  # [B, H, S, R], [B, H, S] float32 (NUM_SPLITS > 1)
+    scale_log2, tokens_per_split, num_heads,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(seq_len, start + tokens_per_split)
+
+    r = tl.arange(0, RANK)
+    p = tl.arange(0, ROPE)
+    hmask = heads < num_heads
+    q_nope = tl.load(qn_ptr + b * stride_qnb + heads[:, None] * stride_qnh + r[None, :],
+                     mask=hmask[:, None], other=0.0)  # [BLOCK_H, R]
+    q_pe = tl.load(qp_ptr + b * stride_qpb + heads[:, None] * stride_qph + p[None, :],
+                   mask=hmask[:, None], other=0.0)  # [BLOCK_H, P]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, RANK], tl.float32)
+    table = block_table_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        blk = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        row = blk * stride_cblk + (n % BLOCK_SIZE) * stride_ctok  # [BLOCK_N]
+        latent = tl.load(cache_ptr + row[:, None] + r[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, R]
+        k_pe = tl.load(cache_ptr + row[:, None] + RANK + p[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, P]
+        s = tl.dot(q_nope, tl.trans(latent))
+        s = tl.dot(q_pe, tl.trans(k_pe), s) * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        prob = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(latent.dtype), latent)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + r[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    else:
+        row_id = (b * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
+        tl.store(part_out_ptr + row_id[:, None] * RANK + r[None, :], out, mask=hmask[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(part_lse_ptr + row_id, lse, mask=hmask)
+
+
+def _is_pow2(x: int) -> bool:
+    return x >= 16 and x & (x - 1) == 0
+
+
+def _check(q_nope, q_pe, kv_cache, block_table, seq_lens) -> None:
+    if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2] or kv_cache.dim() != 3:
+        raise DsquantError(f"mla decode: expected q_nope [B, H, R], q_pe [B, H, P], kv_cache [num_blocks, block_size, "
+                           f"R + P], got {tuple(q_nope.shape)}, {tuple(q_pe.shape)}, {tuple(kv_cache.shape)}")
+    rank, rope = q_nope.shape[2], q_pe.shape[2]
+    if kv_cache.shape[2] != rank + rope or not (_is_pow2(rank) and _is_pow2(rope)):
+        raise DsquantError(f"mla decode: kv_cache last dim {kv_cache.shape[2]} must be kv_lora_rank {rank} + rope "
+                           f"dim {rope}, both powers of two >= 16")
+    if kv_cache.stride(-1) != 1 or q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        raise DsquantError("mla decode: q_nope, q_pe and kv_cache need a unit last stride")
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_table.shape[0] != q_nope.shape[0]:
+        raise DsquantError(f"mla decode: block_table [B, max_blocks] and seq_lens [B] must be int32 with "
+                           f"B={q_nope.shape[0]}, got {block_table.dtype} {tuple(block_table.shape)}, {seq_lens.dtype}")
+
+
+def default_block_h(num_heads: int) -> int:
+    """Heads per program: 16 fills the dot's rows for V2-Lite's 16 heads; more heads share a latent tile."""
+    return 16 if num_heads <= 16 else 32
+
+
+def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         max_seq_len: int | None = None, config: MLADecodeConfig = MLADecodeConfig(),
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Absorbed MLA attention -> out [B, H, R] in latent space (see the module docstring)."""
+    _check(q_nope, q_pe, kv_cache, block_table, seq_lens)
+    batch, heads, rank = q_nope.shape
+    rope, block_size = q_pe.shape[2], kv_cache.shape[1]
+    if max_seq_len is None:
+        max_seq_len = block_table.shape[1] * block_size
+    if out is None:
+        out = torch.empty_like(q_nope)
+    block_h = config.block_h or default_block_h(heads)
+    head_blocks = triton.cdiv(heads, block_h)
+    splits = config.num_splits or choose_num_splits(batch * head_blocks, max_seq_len, config.block_n,
+                                                    num_sms(q_nope.device))
+    per_split = split_plan(max_seq_len, splits, config.block_n)
+    if splits > 1:
+        part_out = torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=q_nope.device)
+        part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_nope.device)
+    else:
+        part_out = part_lse = out  # unused
+    _mla_decode_kernel[(batch, head_blocks, splits)](
+        q_nope, q_nope.stride(0), q_nope.stride(1),
+        q_pe, q_pe.stride(0), q_pe.stride(1),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+        block_table, block_table.stride(0), seq_lens,
+        out, out.stride(0), out.stride(1),
+        part_out, part_lse,
+        scale * LOG2E, per_split, heads,
+        RANK=rank, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
+        NUM_SPLITS=splits, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        merge_splits(part_out, part_lse, out)
+    return out
+
+
+def prefill_rows(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rows for absorbed MLA prefill: (block_table [Tq, max_blocks] int32, seq_lens [Tq] int32).
+
+    Sequence b's new tokens are rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; it has seq_lens[b] tokens in
+    the cache (context + new), so its i-th new token attends to seq_lens[b] - q_len + i + 1 keys.
+    No device-to-host reads (num_tokens = cu_seqlens_q[-1], known to the caller).
+    """
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [B]
+    seq_of_row = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens,
+                                         output_size=num_tokens)  # [Tq]
+    index_in_seq = torch.arange(num_tokens, device=q_lens.device) - cu_seqlens_q[:-1][seq_of_row]
+    row_lens = seq_lens[seq_of_row] - q_lens[seq_of_row] + index_in_seq + 1  # [Tq]
+    return block_table[seq_of_row], row_lens.to(torch.int32)
