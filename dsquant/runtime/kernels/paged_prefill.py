@@ -1,0 +1,139 @@
+"""Paged prefill attention for GQA / MHA: causal, variable-length batch, context read from the cache.
+
+Serves plain prefill, chunked prefill and prefix caching alike: the caller first stores the new
+tokens' keys and values (kv_store.store_kv), then every key, cached prefix and new tokens, is read
+from the paged cache.
+
+Layouts
+- q [Tq, Hq, D]: the new tokens of all sequences packed; sequence b owns rows
+  cu_seqlens_q[b] : cu_seqlens_q[b+1] (cu_seqlens_q [B+1] int32, starting at 0).
+- k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table [B, max_blocks] int32.
+- seq_lens [B] int32: tokens of sequence b in the cache, new ones included; its context (prefix)
+  is ctx_b = seq_lens[b] - q_len_b, and new token i (position ctx_b + i) attends to keys
+  0 .. ctx_b + i.
+- out [Tq, Hq, D] in q's dtype. Hq = G x Hkv; query head h reads kv head h // G.
+
+MLA prefill is served by mla_decode.py in absorbed form, one row per new token (see there).
+
+Program (query tile, sequence, query head) runs a flash-attention loop over key tiles of BLOCK_N
+tokens up to its tile's last causal position, pages found through the block table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsquant.errors import DsquantError
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, stride_qt, stride_qh,  # q [Tq, Hq, D]
+    k_ptr, v_ptr, stride_cblk, stride_ctok, stride_chead,  # caches [num_blocks, block_size, Hkv, D]
+    block_table_ptr, stride_bt, seq_lens_ptr, cu_seqlens_q_ptr,  # [B, max_blocks], [B], [B + 1] int32
+    out_ptr, stride_ot, stride_oh,  # out [Tq, Hq, D]
+    scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    b = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    if m_block * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + b)
+        ctx = seq_len - q_len
+        m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] index among the new tokens
+        mmask = m < q_len
+        pos = ctx + m  # absolute positions
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        rows = (q_start + m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=mmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        kv_head = head // GROUP
+        table = block_table_ptr + b.to(tl.int64) * stride_bt
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        hi = tl.minimum(seq_len, ctx + (m_block + 1) * BLOCK_M)  # keys past the tile's last row are masked
+        for n0 in range(0, hi, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nmask = n < hi
+            blk = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+            off = blk * stride_cblk + (n % BLOCK_SIZE) * stride_ctok + kv_head * stride_chead  # [BLOCK_N]
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N]
+            # key 0 is visible to every row, so each row's running max is finite after the first tile
+            s = tl.where((n[None, :] <= pos[:, None]) & nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+def _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise DsquantError(f"paged prefill: expected q [Tq, Hq, D] and equal caches [num_blocks, block_size, Hkv, D], "
+                           f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3] or q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise DsquantError(f"paged prefill: {q.shape[1]} query heads of dim {q.shape[2]} (unit last stride) do not "
+                           f"fit {k_cache.shape[2]} kv heads of dim {k_cache.shape[3]}")
+    batch = seq_lens.shape[0]
+    if (cu_seqlens_q.dtype, seq_lens.dtype, block_table.dtype) != (torch.int32,) * 3 or \
+            cu_seqlens_q.shape != (batch + 1,) or block_table.shape[0] != batch:
+        raise DsquantError(f"paged prefill: cu_seqlens_q [B+1], seq_lens [B], block_table [B, max_blocks] must be "
+                           f"int32, got {tuple(cu_seqlens_q.shape)}, {tuple(seq_lens.shape)}, {tuple(block_table.shape)}")
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            scale: float, max_q_len: int | None = None, config: PrefillConfig = PrefillConfig(),
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal varlen attention of q [Tq, Hq, D] over the paged caches -> out [Tq, Hq, D].
+
+    max_q_len (host int) sizes the grid; when omitted it is read from cu_seqlens_q (a device sync).
+    """
+    _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q)
+    _, hq, dim = q.shape
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
+    if out is None:
+        out = torch.empty_like(q)
+    batch = seq_lens.shape[0]
+    if batch == 0 or max_q_len == 0:
+        return out
+    grid = (triton.cdiv(max_q_len, config.block_m), batch, hq)
+    _paged_prefill_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table, block_table.stride(0), seq_lens, cu_seqlens_q,
+        out, out.stride(0), out.stride(1),
+        scale * LOG2E,
+        GROUP=hq // k_cache.shape[2], HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
