@@ -1,0 +1,121 @@
+"""Fused MoE experts: align pairs by expert, gate/up GEMM with SiLU-and-mul, down GEMM with the
+routing weights, top-k sum, shared experts added.
+
+    hidden [T, H], topk_weights fp32 [T, k], topk_ids [T, k]  ->  out [T, H]
+    out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]
+             (+ shared_output[t])
+Weights (MoeWeights): w13 = gate rows [0, I) then up rows [I, 2I) of each expert, n = 2I, k = H;
+w2 n = H, k = I; both GroupedWeight of one format ("bf16", "int4", "fp8"; see moe_gemm).
+Shared experts, either way:
+- pass shared_output [T, H] (computed by the caller's dense MLP) and it is added at the end; or
+- run them inside the grouped GEMMs as extra always-selected experts: stack them after the routed
+  experts (split_shared_experts cuts an MLP of intermediate n*I into n experts of width I, exact
+  because SiLU-and-mul is elementwise) and extend the routing with with_shared_experts (weight 1).
+Block sizes are picked by a heuristic from the pairs per expert (never tuned at run time).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8
+from dsquant.runtime.kernels.moe_align import moe_align_block_size
+from dsquant.runtime.kernels.moe_gemm import GemmConfig, GroupedWeight, moe_gemm
+
+
+@dataclass
+class MoeWeights:
+    w13: GroupedWeight  # n = 2I, k = H
+    w2: GroupedWeight  # n = H, k = I
+
+    def __post_init__(self):
+        if self.w13.format != self.w2.format:
+            raise ValueError(f"w13 is {self.w13.format} but w2 is {self.w2.format}")
+        inter = self.w13.n // 2
+        if self.w13.n % 2 or self.w2.k != inter or self.w2.n != self.w13.k:
+            raise ValueError(f"expert shapes disagree: w13 n={self.w13.n} k={self.w13.k}, "
+                             f"w2 n={self.w2.n} k={self.w2.k} (expected w2 = [H, I], w13 = [2I, H])")
+        if self.w13.num_experts != self.w2.num_experts:
+            raise ValueError(f"w13 has {self.w13.num_experts} experts, w2 {self.w2.num_experts}")
+        if self.w13.format == "fp8" and inter % 128:
+            raise ValueError(f"fp8 experts need moe_intermediate_size % 128 == 0, got {inter}")
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.num_experts
+
+
+def bf16_experts(weight: torch.Tensor) -> GroupedWeight:
+    """weight [E, N, K] (bf16/fp16, HF's gate_up_proj / down_proj layout) -> GroupedWeight."""
+    if weight.dim() != 3:
+        raise ValueError(f"expert weight must be [E, N, K], got {tuple(weight.shape)}")
+    return GroupedWeight("bf16", weight.contiguous(), n=weight.shape[1], k=weight.shape[2])
+
+
+def split_shared_experts(gate_up: torch.Tensor, down: torch.Tensor, n_shared: int):
+    """A shared MLP gate_up [2*n*I, H] (gate rows then up rows), down [H, n*I] ->
+    n experts: w13 [n, 2I, H], w2 [n, H, I], to stack after the routed experts (any dtype)."""
+    inter = down.shape[1] // n_shared
+    gate, up = gate_up.chunk(2, dim=0)  # [n*I, H] each
+    w13 = torch.cat([gate.view(n_shared, inter, -1), up.view(n_shared, inter, -1)], dim=1)
+    w2 = down.view(down.shape[0], n_shared, inter).permute(1, 0, 2)
+    return w13.contiguous(), w2.contiguous()
+
+
+def with_shared_experts(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_routed: int,
+                        n_shared: int):
+    """Append experts num_routed .. num_routed + n_shared - 1 with weight 1 to every token."""
+    t = topk_ids.shape[0]
+    ids = torch.arange(num_routed, num_routed + n_shared, device=topk_ids.device, dtype=topk_ids.dtype)
+    weights = torch.ones(t, n_shared, device=topk_weights.device, dtype=topk_weights.dtype)
+    return (torch.cat([topk_weights, weights], dim=1),
+            torch.cat([topk_ids, ids.expand(t, n_shared)], dim=1))
+
+
+def pick_configs(num_pairs: int, num_experts: int, fmt: str, group_size: int = 0):
+    """(gate/up config, down config) from the pairs per expert and the weight format."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 2:
+        block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
+    elif per_expert <= 24:
+        block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 3
+    elif per_expert <= 96:
+        block_m, block_n, block_k, warps, stages = 32, 64, 128, 4, 3
+    else:
+        block_m, block_n, block_k, warps, stages = 64, 128, 64, 8, 3
+    if fmt == "fp8":
+        block_k = 128
+    elif fmt == "int4":
+        block_k = max(block_k, group_size)
+    cfg = GemmConfig(block_m, block_n, block_k, warps, stages)
+    return cfg, cfg
+
+
+def fused_moe(hidden: torch.Tensor, weights: MoeWeights, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, shared_output: torch.Tensor | None = None,
+              configs: tuple[GemmConfig, GemmConfig] | None = None) -> torch.Tensor:
+    """hidden [T, H], topk_weights [T, k], topk_ids [T, k] -> [T, H] (see module docstring)."""
+    t, h = hidden.shape
+    if h != weights.w13.k:
+        raise ValueError(f"hidden size {h} differs from the experts' {weights.w13.k}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T={t}, top_k]")
+    top_k = topk_ids.shape[1]
+    fmt = weights.w13.format
+    cfg13, cfg2 = configs or pick_configs(t * top_k, weights.num_experts, fmt, weights.w13.group_size)
+    align = moe_align_block_size(topk_ids, weights.num_experts, cfg13.block_m)
+    inter = weights.w13.n // 2
+    act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
+    out = torch.empty(t * top_k, h, dtype=hidden.dtype, device=hidden.device)  # [T*k, H]
+    upcast = os.environ.get("TRITON_INTERPRET") == "1"
+    a, a_scale = quantize_act_fp8(hidden) if fmt == "fp8" else (hidden, None)
+    moe_gemm(a, weights.w13, align, act, cfg13, a_row_div=top_k, gated=True, a_scale=a_scale,
+             fp8_upcast=upcast)
+    a, a_scale = quantize_act_fp8(act) if fmt == "fp8" else (act, None)
+    moe_gemm(a, weights.w2, align, out, cfg2, a_row_div=1, gated=False,
+             topk_weights=topk_weights.float(), a_scale=a_scale, fp8_upcast=upcast)
+    result = out.view(t, top_k, h).sum(dim=1)  # [T, H]
+    return result if shared_output is None else result + shared_output

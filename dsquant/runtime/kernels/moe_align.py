@@ -1,0 +1,94 @@
+"""Group the (token, expert) pairs of a routed batch by expert, padding each expert to BLOCK_M.
+
+Input: topk_ids [T, top_k] (int32/int64 expert ids; ids outside [0, E) are dropped). Pair p is
+the flattened index t * top_k + j. Outputs (fixed sizes, so the launch is CUDA-graph capturable):
+- sorted_token_ids int32 [max_padded]: the pair indices of expert 0, padded to a multiple of
+  BLOCK_M with the sentinel T*top_k, then expert 1's, ...; pairs keep their order inside an
+  expert; the tail past num_tokens_post_padded holds the sentinel too.
+- expert_ids int32 [max_padded / BLOCK_M]: the expert of each BLOCK_M-row block, -1 past the end.
+- num_tokens_post_padded int32 [1]: rows in use (a multiple of BLOCK_M).
+max_padded = T*top_k + min(E, T*top_k) * (BLOCK_M - 1), rounded up to BLOCK_M: at most that many
+experts receive pairs, each wasting at most BLOCK_M - 1 rows.
+One program does it all (two passes over the pairs, one-hot counts and in-chunk prefix sums): a
+single small launch, which is what decode wants; its cost grows with T*top_k*E.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass
+class MoeAlignment:
+    sorted_token_ids: torch.Tensor  # int32 [max_padded]
+    expert_ids: torch.Tensor  # int32 [max_padded // block_m]
+    num_tokens_post_padded: torch.Tensor  # int32 [1]
+    block_m: int
+    num_pairs: int  # T * top_k, also the padding sentinel
+
+
+@triton.jit
+def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
+                      num_pairs, num_experts, max_padded, max_blocks,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)  # [CHUNK]
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    counts = tl.where(e < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BLOCK_E]
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_post_pad_ptr, total)
+    for start in range(0, max_padded, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=offs < max_padded)
+    for start in range(0, max_blocks, CHUNK):
+        b = start + tl.arange(0, CHUNK)  # [CHUNK] block index
+        row0 = b * BLOCK_M
+        expert = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), axis=1)  # experts ending before
+        tl.store(expert_ids_ptr + b, tl.where(row0 < total, expert, -1), mask=b < max_blocks)
+    tl.debug_barrier()  # the sentinel fill must land before the scatter below
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        valid = (offs < num_pairs) & (ids >= 0) & (ids < num_experts)
+        onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
+        slot = tl.cumsum(onehot, axis=0) - 1 + seen[None, :] + starts[None, :]
+        pos = tl.sum(onehot * slot, axis=1)  # [CHUNK]
+        tl.store(sorted_ids_ptr + pos, offs, mask=valid)
+        seen += tl.sum(onehot, axis=0)
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """topk_ids [T, top_k] -> MoeAlignment (see module docstring)."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, top_k], got {tuple(topk_ids.shape)}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    flat = topk_ids.reshape(-1)
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    num_pairs = flat.numel()
+    max_padded = max_padded_rows(num_pairs, num_experts, block_m)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    chunk = max(16, min(128, 8192 // block_e))
+    _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, num_pairs, num_experts,
+                            max_padded, max_padded // block_m, BLOCK_M=block_m, BLOCK_E=block_e,
+                            CHUNK=chunk, num_warps=4 if block_e <= 64 else 8)
+    return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, num_pairs)

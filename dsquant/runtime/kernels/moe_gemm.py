@@ -1,0 +1,167 @@
+"""Grouped GEMM over all experts of a MoE layer, one launch for every expert's rows.
+
+Rows come grouped by expert from moe_align (sorted_token_ids, expert_ids: one expert per
+BLOCK_M-row block). For the pair p = t * top_k + j in a block of expert e:
+    out[p, n] = sum_k a[p // a_row_div, k] * W_e[n, k]
+a_row_div = top_k when a is the hidden states [T, K] (gate/up projection) and 1 when a holds one
+row per pair [T*top_k, K] (down projection). Epilogues:
+- gated (w13 stacked gate rows [0, N) then up rows [N, 2N)): out[p, n] = silu(gate) * up,
+  the SiLU-and-mul fused, out [T*top_k, N];
+- routed: out[p, n] *= topk_weights[p] (fp32 [T*top_k]), out [T*top_k, N].
+Expert weight layouts (GroupedWeight.format), N output rows, K input columns, all experts stacked:
+- "bf16": weight [E, N, K] in the activation dtype (bf16 or fp16).
+- "int4": qweight int32 [E, N, K/8], nibble i of word j holds k = 8j + i (repacked from AWQ by
+  fused_moe_int4), scales [E, K/G, N] in the activation dtype, zeros uint8 [E, K/G, N];
+  W[n, k] = (q - z) * s, dequantised in registers, BLOCK_K a multiple of G.
+- "fp8": weight float8_e4m3fn [E, N, K], scale_inv fp32 [E, ceil(N/128), ceil(K/128)]; a is fp8
+  [rows, K] with a_scale fp32 [rows, ceil(K/128)] (per token per 128 channels); BLOCK_K = 128.
+Accumulation is fp32; outputs are rounded once to out's dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsquant.runtime.kernels.moe_align import MoeAlignment
+
+FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
+
+
+@dataclass
+class GroupedWeight:
+    """One projection of every expert (see the module docstring for each format's layout)."""
+    format: str
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    group_size: int = 0
+    n: int = 0  # output rows per expert (2I for a stacked w13)
+    k: int = 0  # input columns
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _load_weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, K,
+                      stride_we, stride_wn, stride_se, stride_s1, stride_s2,
+                      W_FORMAT: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """W_e[offs_n, k0:k0+BLOCK_K]^T as a [BLOCK_K, BLOCK_N] tile (fp8 stays fp8)."""
+    if W_FORMAT == 1:
+        rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K/8] packed words
+        ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + rows[:, None]
+        packed = tl.load(ptrs, mask=n_mask[None, :] & (rows[:, None] < K // 8), other=0)
+        shifts = (tl.arange(0, 8) * 4)[None, :, None]  # [1, 8, 1]
+        q = (packed[:, None, :] >> shifts) & 0xF  # [BLOCK_K/8, 8, BLOCK_N]
+        q = tl.reshape(q, (BLOCK_K // GROUP, GROUP, BLOCK_N))
+        groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [BLOCK_K/G]
+        g_off = expert * stride_se + groups[:, None] * stride_s1 + offs_n[None, :] * stride_s2
+        g_mask = n_mask[None, :] & (groups[:, None] < K // GROUP)
+        s = tl.load(s_ptr + g_off, mask=g_mask, other=0.0).to(tl.float32)  # [BLOCK_K/G, BLOCK_N]
+        z = tl.load(z_ptr + g_off, mask=g_mask, other=0).to(tl.int32)
+        w = (q - z[:, None, :]).to(tl.float32) * s[:, None, :]
+        return tl.reshape(w, (BLOCK_K, BLOCK_N)).to(DTYPE)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        return tl.load(ptrs, mask=n_mask[None, :] & (offs_k[:, None] < K), other=0.0)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_ptr,
+                     sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
+                     N, K, num_pairs, a_row_div,
+                     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_s1, stride_s2,
+                     stride_om,
+                     W_FORMAT: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
+                     ROUTED: tl.constexpr, FP8_UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    row_mask = pair < num_pairs
+    a_row = (pair // a_row_div).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_mask = offs_n < N
+    DTYPE = a_ptr.dtype.element_ty if W_FORMAT != 2 else tl.bfloat16
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + a_row[:, None] * stride_am + offs_k[None, :],
+                    mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = _load_weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, K, stride_we,
+                              stride_wn, stride_se, stride_s1, stride_s2, W_FORMAT, GROUP, BLOCK_N, BLOCK_K, DTYPE)
+        if GATED:
+            b_up = _load_weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n + N, n_mask, k0, K, stride_we,
+                                     stride_wn, stride_se, stride_s1, stride_s2, W_FORMAT, GROUP, BLOCK_N,
+                                     BLOCK_K, DTYPE)
+        if W_FORMAT == 2:
+            a_s = tl.load(a_scale_ptr + a_row * stride_asm + k0 // 128, mask=row_mask, other=0.0)
+            w_off = expert * stride_se + (k0 // 128) * stride_s2  # scale_inv [E, N/128, K/128]
+            w_s = tl.load(s_ptr + w_off + (offs_n // 128) * stride_s1, mask=n_mask, other=0.0)
+            if FP8_UPCAST:  # the Triton interpreter has no fp8 dot: same products in fp32
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(a, b) * a_s[:, None] * w_s[None, :]
+            if GATED:
+                w_s_up = tl.load(s_ptr + w_off + ((offs_n + N) // 128) * stride_s1, mask=n_mask, other=0.0)
+                if FP8_UPCAST:
+                    b_up = b_up.to(tl.float32)
+                acc_up += tl.dot(a, b_up) * a_s[:, None] * w_s_up[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+            if GATED:
+                acc_up = tl.dot(a, b_up, acc_up)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if ROUTED:
+        acc = acc * tl.load(topk_w_ptr + pair, mask=row_mask, other=0.0)[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.Tensor,
+             cfg: GemmConfig, a_row_div: int, gated: bool, topk_weights: torch.Tensor | None = None,
+             a_scale: torch.Tensor | None = None, fp8_upcast: bool = False) -> torch.Tensor:
+    """One grouped GEMM (see module docstring). out [T*top_k, N or N/2 when gated] is written."""
+    if cfg.block_m != align.block_m:
+        raise ValueError(f"config block_m {cfg.block_m} differs from the alignment's {align.block_m}")
+    n_out = w.n // 2 if gated else w.n
+    if a.shape[1] != w.k or out.shape[1] != n_out or a.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(f"moe_gemm shapes: a {tuple(a.shape)}, weight n={w.n} k={w.k}, out {tuple(out.shape)}")
+    fmt = FORMATS[w.format]
+    if fmt == 1 and cfg.block_k % w.group_size:
+        raise ValueError(f"int4 BLOCK_K {cfg.block_k} must be a multiple of group_size {w.group_size}")
+    if fmt == 2 and (cfg.block_k != 128 or a_scale is None):
+        raise ValueError("fp8 experts need BLOCK_K = 128 and per-token-group activation scales")
+    s = w.scales if w.scales is not None else w.weight
+    z = w.zeros if w.zeros is not None else w.weight
+    a_s = a_scale if a_scale is not None else a
+    tw = topk_weights.reshape(-1) if topk_weights is not None else a
+    s_strides = (s.stride(0), s.stride(1), s.stride(2)) if s.dim() == 3 else (0, 0, 0)
+    grid = (align.expert_ids.shape[0], triton.cdiv(n_out, cfg.block_n))
+    _moe_gemm_kernel[grid](
+        a, a_s, w.weight, s, z, out, tw, align.sorted_token_ids, align.expert_ids,
+        align.num_tokens_post_padded, n_out, w.k, align.num_pairs, a_row_div,
+        a.stride(0), a_s.stride(0), w.weight.stride(0), w.weight.stride(1), *s_strides, out.stride(0), W_FORMAT=fmt, GROUP=max(w.group_size, 1), GATED=gated,
+        ROUTED=topk_weights is not None, FP8_UPCAST=fp8_upcast, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
