@@ -22,11 +22,35 @@ def cli(ctx: click.Context, debug: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
 
 
+@cli.command()
+@click.argument("model_dir", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def inspect(model_dir: str, as_json: bool) -> None:
+    """Describe a checkpoint: architecture, layers, parameters, dtype and format per module type."""
+    from dsquant.models.summary import render, summarize
+
+    summary = summarize(model_dir)
+    if as_json:
+        import json
+
+        payload = {
+            "path": summary.path, "architecture": summary.config.architecture,
+            "num_hidden_layers": summary.config.num_hidden_layers,
+            "dense_layers": summary.dense_layers, "moe_layers": summary.moe_layers,
+            "num_params": summary.num_params, "disk_bytes": summary.disk_bytes,
+            "module_types": {t: {"count": i.count, "params": i.params, "formats": dict(i.formats)}
+                             for t, i in summary.module_types.items()},
+            "quantization_config": summary.quantization,
+            "quantized_module_types": summary.quantized_types(),
+        }
+        click.echo(json.dumps(payload, indent=1))
+    else:
+        click.echo(render(summary))
+
+
 def _register() -> None:
     from dsquant.bench import register as register_bench
-    from dsquant.inspect_cmd import inspect
 
-    cli.add_command(inspect)
     bench = register_bench()
     if bench.commands:
         cli.add_command(bench)

@@ -1,0 +1,4 @@
+"""`python -m dsquant` runs the CLI."""
+from dsquant.cli import main
+
+main()
