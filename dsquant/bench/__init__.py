@@ -8,7 +8,9 @@ import importlib
 import click
 
 # (module under dsquant.bench, command name); add a line when a benchmark works end to end.
-COMMANDS: list[tuple[str, str]] = []
+COMMANDS: list[tuple[str, str]] = [
+    ("attention", "attention"),
+]
 
 
 @click.group(name="bench")
