@@ -22,14 +22,29 @@ def cli(ctx: click.Context, debug: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
 
 
+def resolve_model_dir(arg: str) -> str:
+    """A path as given, or a bundled model's directory when `arg` names one and no such path exists."""
+    import os
+
+    from dsquant.assets import BUNDLED_MODELS, bundled_model_path
+
+    if not os.path.exists(arg) and arg in BUNDLED_MODELS:
+        return str(bundled_model_path(arg))
+    return arg
+
+
 @cli.command()
 @click.argument("model_dir", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(model_dir: str, as_json: bool) -> None:
-    """Describe a checkpoint: architecture, layers, parameters, dtype and format per module type."""
+    """Describe a checkpoint: architecture, layers, parameters, dtype and format per module type.
+
+    MODEL_DIR is a checkpoint directory or the name of a bundled model (dsq-tiny-v3,
+    dsq-tiny-qwen2). Every weight's name, shape and dtype is checked against config.json.
+    """
     from dsquant.models.summary import render, summarize
 
-    summary = summarize(model_dir)
+    summary = summarize(resolve_model_dir(model_dir))
     if as_json:
         import json
 
