@@ -161,9 +161,8 @@ def _mla_decode(heads, batch, length, block_size, peer_gb, sweep, gen, dev="cuda
                    if bh <= max(16, heads)]
         best = _sweep(ours, configs)
     bytes_read = batch * length * (RANK + ROPE) * 2
-    default = MLADecodeConfig(block_h=16 if heads <= 16 else 32)
     return Row("mla_decode", f"H={heads} B={batch} L={length} bs={block_size}", g, e, pg, pe,
-               pg / g if pg else None, bytes_read / g / 1e3, "GB/s", check, str(default), best)
+               pg / g if pg else None, bytes_read / g / 1e3, "GB/s", check, str(MLADecodeConfig()), best)
 
 
 def _gqa_prefill(batch, hq, hkv, length, dim, block_size, gen, dev="cuda") -> Row:

@@ -38,10 +38,10 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class MLADecodeConfig:
-    """Launch parameters; block_h 0 and num_splits 0 mean "choose by heuristic"."""
+    """Launch parameters; 0 (block_h, num_warps, num_splits) means "choose by heuristic"."""
     block_h: int = 0
     block_n: int = 32
-    num_warps: int = 4
+    num_warps: int = 0
     num_stages: int = 2
     num_splits: int = 0
 
@@ -52,11 +52,11 @@ def _mla_decode_kernel(
     qp_ptr, stride_qpb, stride_qph,  # q_pe [B, H, P]
     cache_ptr, stride_cblk, stride_ctok,  # kv_cache [num_blocks, block_size, R + P]
     block_table_ptr, stride_bt, seq_lens_ptr,  # [B, max_blocks] int32, [B] int32
-    out_ptr, stride_ob, stride_oh,  # out [B, H, R] (NUM_SPLITS == 1)
-    part_out_ptr, part_lse_ptr,  # [B, H, S, R], [B, H, S] float32 (NUM_SPLITS > 1)
-    scale_log2, tokens_per_split, num_heads,
+    out_ptr, stride_ob, stride_oh,  # out [B, H, R] (not IS_SPLIT)
+    part_out_ptr, part_lse_ptr,  # [B, H, S, R], [B, H, S] float32 (IS_SPLIT)
+    scale_log2, tokens_per_split, num_splits, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -95,11 +95,11 @@ def _mla_decode_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if not IS_SPLIT:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + r[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
     else:
-        row_id = (b * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
+        row_id = (b * num_heads + heads) * num_splits + split  # [BLOCK_H]
         tl.store(part_out_ptr + row_id[:, None] * RANK + r[None, :], out, mask=hmask[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(part_lse_ptr + row_id, lse, mask=hmask)
@@ -142,6 +142,7 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     if out is None:
         out = torch.empty_like(q_nope)
     block_h = config.block_h or default_block_h(heads)
+    num_warps = config.num_warps or (4 if block_h <= 16 else 8)  # the [block_h, R] fp32 accumulator lives in registers
     head_blocks = triton.cdiv(heads, block_h)
     splits = config.num_splits or choose_num_splits(batch * head_blocks, max_seq_len, config.block_n,
                                                     num_sms(q_nope.device))
@@ -158,9 +159,9 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
         block_table, block_table.stride(0), seq_lens,
         out, out.stride(0), out.stride(1),
         part_out, part_lse,
-        scale * LOG2E, per_split, heads,
+        scale * LOG2E, per_split, splits, heads,
         RANK=rank, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
-        NUM_SPLITS=splits, num_warps=config.num_warps, num_stages=config.num_stages,
+        IS_SPLIT=splits > 1, num_warps=num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         merge_splits(part_out, part_lse, out)

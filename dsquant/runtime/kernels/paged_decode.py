@@ -45,11 +45,11 @@ def _paged_decode_gqa_kernel(
     q_ptr, stride_qb, stride_qh,  # query [B, Hq, D]
     k_ptr, v_ptr, stride_cblk, stride_ctok, stride_chead,  # caches [num_blocks, block_size, Hkv, D]
     block_table_ptr, stride_bt, seq_lens_ptr,  # [B, max_blocks] int32, [B] int32
-    out_ptr, stride_ob, stride_oh,  # out [B, Hq, D] (NUM_SPLITS == 1)
-    part_out_ptr, part_lse_ptr,  # [B, Hq, S, D], [B, Hq, S] float32 (NUM_SPLITS > 1)
-    scale_log2, tokens_per_split, num_q_heads,
+    out_ptr, stride_ob, stride_oh,  # out [B, Hq, D] (not IS_SPLIT)
+    part_out_ptr, part_lse_ptr,  # [B, Hq, S, D], [B, Hq, S] float32 (IS_SPLIT)
+    scale_log2, tokens_per_split, num_splits, num_q_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,11 +89,11 @@ def _paged_decode_gqa_kernel(
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     omask = gmask[:, None] & dmask[None, :]
-    if NUM_SPLITS == 1:
+    if not IS_SPLIT:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=omask)
     else:
-        row_id = (b * num_q_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        row_id = (b * num_q_heads + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_out_ptr + row_id[:, None] * HEAD_DIM + d[None, :], out, mask=omask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # empty chunk: -inf
         tl.store(part_lse_ptr + row_id, lse, mask=gmask)
@@ -145,9 +145,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_table, block_table.stride(0), seq_lens,
         out, out.stride(0), out.stride(1),
         part_out, part_lse,
-        scale * LOG2E, per_split, hq,
+        scale * LOG2E, per_split, splits, hq,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, NUM_SPLITS=splits,
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, IS_SPLIT=splits > 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
