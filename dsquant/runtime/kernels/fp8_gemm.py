@@ -1,0 +1,169 @@
+"""FP8 block-scaled GEMM (DeepSeek-V3 layout): y = x @ W^T with W = weight * weight_scale_inv.
+
+Layouts: weight float8_e4m3fn [N, K]; weight_scale_inv fp32 [ceil(N/128), ceil(K/128)] (one
+scale per 128 x 128 block, edge blocks partial); x [M, K] bf16/fp16, or already quantized
+(x_fp8 [M, K] e4m3 + x_scale fp32 [M, ceil(K/128)], any strides: fp8_quant.py makes them);
+y [M, N] bf16/fp16. N and K need not be multiples of 128.
+
+One program owns an output tile of BLOCK_N channels x BLOCK_M tokens, computed transposed
+(acc[n, m]) so the weight tile is the MMA's wide operand, and walks K one 128-block at a time:
+    acc += dot(W_blk, A_blk) * weight_scale_inv[n // 128, kb] * x_scale[m, kb]
+Each block's dot starts from zero and is promoted into the fp32 accumulator with its scales,
+which also keeps Hopper's reduced-precision FP8 accumulation to 128 products.
+A_MODE selects what feeds the MMA:
+  0  x pre-quantized to e4m3 (prefill: fp8_quant.per_token_group_quant_fp8 runs first)
+  1  x in bf16/fp16, quantized per token and block inside the GEMM (decode: one launch, the
+     same arithmetic as the separate quantizer)
+  2  weight-only: x stays bf16/fp16, the weight block is converted in registers and the MMA is
+     bf16/fp16 (GPUs without FP8 tensor cores, sm < 89)
+Split-K over the 128-blocks (splitk.store_tile) spreads decode sizes over every multiprocessor.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8, quant_group_fp8
+from dsquant.runtime.kernels.gemm_configs import DECODE_MAX_M, GemmConfig, fp8_config
+from dsquant.runtime.kernels.splitk import store_tile
+
+FP8_BLOCK = 128
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counters_ptr,
+                           M, N, K, stride_am, stride_asm, stride_asg, stride_wn, stride_wsn,
+                           stride_om, split_k, A_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_M: tl.constexpr, SWIZZLE: tl.constexpr):
+    BLOCK_K: tl.constexpr = 128
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    width = SWIZZLE * tiles_m
+    first_n = (pid // width) * SWIZZLE
+    size_n = tl.minimum(tiles_n - first_n, SWIZZLE)
+    pid_n = first_n + (pid % width) % size_n
+    pid_m = (pid % width) // size_n
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    num_kb = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(num_kb, split_k)
+    kb_lo = pid_k * per_split
+    kb_hi = tl.minimum(kb_lo + per_split, num_kb)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+        k_mask = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK] e4m3
+        w_s = tl.load(ws_ptr + (offs_n // BLOCK_K) * stride_wsn + kb, mask=n_mask, other=0.0)  # [BN]
+        a_ptrs = a_ptr + offs_m[None, :] * stride_am + offs_k[:, None]  # [BK, BM]
+        a_mask = m_mask[None, :] & k_mask[:, None]
+        if A_MODE == 0:
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)  # [BK, BM] e4m3
+            a_s = tl.load(as_ptr + offs_m * stride_asm + kb * stride_asg, mask=m_mask, other=0.0)
+            acc += tl.dot(w, a) * w_s[:, None] * a_s[None, :]
+        elif A_MODE == 1:
+            x = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)  # [BK, BM]
+            a, a_s = quant_group_fp8(x, 0)  # [BK, BM] e4m3, [BM]
+            acc += tl.dot(w, a) * w_s[:, None] * a_s[None, :]
+        else:
+            x = tl.load(a_ptrs, mask=a_mask, other=0.0)  # [BK, BM] bf16/fp16
+            acc += tl.dot(w.to(x.dtype), x) * w_s[:, None]
+    store_tile(acc, out_ptr, part_ptr, counters_ptr, offs_n, offs_m, M, N, stride_om,
+               pid, pid_k, split_k)
+
+
+def has_fp8_mma(device) -> bool:
+    """FP8 tensor cores: compute capability 8.9 (Ada) and 9.0+ (Hopper, Blackwell)."""
+    d = torch.device(device)
+    return d.type == "cuda" and torch.cuda.get_device_capability(d) >= (8, 9)
+
+
+def _check(weight, weight_scale_inv, k):
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"fp8_block_linear: weight must be float8_e4m3fn [N, K], got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    n, wk = weight.shape
+    if wk != k:
+        raise ValueError(f"fp8_block_linear: x has last dimension {k}, weight has in_features {wk}")
+    expect = (triton.cdiv(n, FP8_BLOCK), triton.cdiv(wk, FP8_BLOCK))
+    if tuple(weight_scale_inv.shape) != expect or weight_scale_inv.dtype != torch.float32:
+        raise ValueError(f"fp8_block_linear: weight_scale_inv must be float32 {expect} for weight "
+                         f"{tuple(weight.shape)}, got {weight_scale_inv.dtype} "
+                         f"{tuple(weight_scale_inv.shape)}")
+    if weight.stride(1) != 1:
+        raise ValueError("fp8_block_linear: weight must be contiguous along K")
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, *,
+                     x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                     weight_only: bool | None = None, fuse_quant: bool | None = None,
+                     config: GemmConfig | None = None,
+                     splitk_counters: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ (weight * weight_scale_inv)^T.
+
+    x is bf16/fp16 (quantized here, per token and 128 channels), or float8_e4m3fn with its
+    `x_scale` [M, ceil(K/128)]. `weight_only` (default: the GPU has no FP8 tensor cores) keeps x
+    in 16 bits; `fuse_quant` (default: M <= 64) quantizes inside the GEMM. `splitk_counters`
+    (int32, zero) may be passed to reuse one buffer across calls; it is left zero. `out` [M, N]
+    receives y when given.
+    """
+    k = x.shape[-1]
+    _check(weight, weight_scale_inv, k)
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    is_fp8 = x.dtype == torch.float8_e4m3fn
+    if is_fp8 and (x_scale is None or tuple(x_scale.shape) != (m, triton.cdiv(k, FP8_BLOCK))):
+        raise ValueError(f"fp8_block_linear: an fp8 x needs x_scale [{m}, {triton.cdiv(k, FP8_BLOCK)}]")
+    out_dtype = out_dtype or (torch.bfloat16 if is_fp8 else x.dtype)
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != out_dtype or out.stride(-1) != 1:
+        raise ValueError(f"fp8_block_linear: out must be {out_dtype} [{m}, {n}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    if weight_only is None:
+        weight_only = not has_fp8_mma(x.device)
+    if is_fp8:
+        a, a_s, mode = x2, x_scale, 0
+    elif weight_only:
+        a, a_s, mode = x2, weight_scale_inv, 2
+    elif fuse_quant if fuse_quant is not None else m <= DECODE_MAX_M:
+        a, a_s, mode = x2, weight_scale_inv, 1
+    else:
+        (a, a_s), mode = per_token_group_quant_fp8(x2, FP8_BLOCK), 0
+    cfg = config or fp8_config(m, n, k, x.device)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = min(cfg.split_k, triton.cdiv(k, FP8_BLOCK))
+    part, counters = out, out  # unused when split == 1
+    if split > 1:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counters = splitk_counters
+        if counters is None or counters.numel() < tiles:
+            counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    _fp8_block_gemm_kernel[(tiles, split)](
+        a, a_s, weight, weight_scale_inv, out, part, counters, m, n, k,
+        a.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), weight_scale_inv.stride(0),
+        out.stride(0), split, A_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, 
+        SWIZZLE=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def fp8_block_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                               compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Pure torch, weight-only semantics (x unquantized): the CPU path of the runtime."""
+    from dsquant.formats import dequantize_fp8_block
+
+    w = dequantize_fp8_block(weight, weight_scale_inv, compute_dtype)  # [N, K]
+    return (x.to(compute_dtype) @ w.t()).to(x.dtype)

@@ -1,0 +1,35 @@
+"""Split-K epilogue shared by the W4A16 and FP8 GEMM kernels (a `triton.jit` helper, no launcher).
+
+A tile's accumulator `acc` [BLOCK_N, BLOCK_M] fp32 holds out[m, n] for n = offs_n, m = offs_m
+(the kernels compute the transposed product so the weight tile is the MMA's wide operand).
+With split_k == 1 it is stored straight to out [M, N]. Otherwise each of the split_k programs of a
+tile stores its partial into `part` [split_k, M, N] fp32, then bumps the tile's counter in
+`counters` (int32, zero on entry); the program that arrives last sums the split_k partials in
+split order (so the result does not depend on which program finished last), writes out and
+resets the counter to zero, leaving the counters ready for the next launch. One launch, no
+memset and no second reduction kernel: what a CUDA-graph decode step wants. split_k is a run-time
+argument, so one compiled kernel serves every split factor.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_tile(acc, out_ptr, part_ptr, counters_ptr, offs_n, offs_m, M, N, stride_om,
+               tile_id, pid_k, split_k):
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)  # [BN, BM]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    if split_k == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        mn = M * N
+        part = part_ptr + offs_m[None, :] * N + offs_n[:, None]  # [BN, BM] in one split's slice
+        tl.store(part + pid_k * mn, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        arrived = tl.atomic_add(counters_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros_like(acc)
+            for s in range(split_k):
+                total += tl.load(part + s * mn, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counters_ptr + tile_id, 0, sem="relaxed", scope="gpu")

@@ -1,0 +1,139 @@
+"""W4A16 weights in the kernel layout: repacking AutoAWQ "gemm" and GPTQ v1 tensors at load time.
+
+Kernel layout (`W4A16Weights`), for a Linear with out_features N, in_features K, group size G:
+    qweight  int32 [N, K/8]   packed along K: nibble i (bits 4i..4i+3) of word c holds k = 8c + i
+    scales   fp16/bf16 [K/G, N]  (kept in the checkpoint's dtype; the kernel multiplies in fp32)
+    zeros    uint8 [K/G, N]   zero-point codes 0..16
+    perm     int32 [K] or None: GPTQ act-order; the kernel reads activation column perm[j] for
+             packed row j, so W'[:, j] = W[:, perm[j]] and groups are contiguous (j // G)
+    W[n, k'] = (q[n, j] - zeros[j // G, n]) * scales[j // G, n]  with k' = perm[j] (or j)
+
+Row-major along K puts each output channel's codes in one contiguous run, which is what both the
+decode (split-K) and the prefill (tiled) kernels stream. Pure torch; no Triton here, so the CPU
+runtime path (`w4a16_linear_reference`) works without the interpreter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsquant.formats import pack_gptq_qweight, unpack_awq, unpack_gptq_qweight, unpack_gptq_qzeros
+
+
+@dataclass
+class W4A16Weights:
+    qweight: torch.Tensor  # int32 [N, K/8]
+    scales: torch.Tensor  # fp16/bf16 [K/G, N]
+    zeros: torch.Tensor  # uint8 [K/G, N]
+    group_size: int
+    perm: torch.Tensor | None = None  # int32 [K] (act-order) or None
+    splitk_counters: torch.Tensor | None = None  # int32 [>= tiles], zero; reset by the kernel
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * 8
+
+    def nbytes(self) -> int:
+        """Bytes the kernel reads per call (codes + scales + zeros + perm)."""
+        ts = [self.qweight, self.scales, self.zeros] + ([self.perm] if self.perm is not None else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+SPLITK_COUNTER_SLOTS = 8192  # >= (N / 16) * (64 / 16) tiles for N up to 32768
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _pack_k_major(q_kn: torch.Tensor) -> torch.Tensor:
+    """codes [K, N] -> int32 [N, K/8] packed along K in plain nibble order."""
+    return pack_gptq_qweight(q_kn).t().contiguous()
+
+
+def _finish(q_kn, z_gn, scales, group_size, perm) -> W4A16Weights:
+    dev = q_kn.device
+    counters = torch.zeros(SPLITK_COUNTER_SLOTS, dtype=torch.int32, device=dev)
+    return W4A16Weights(qweight=_pack_k_major(q_kn), scales=scales.contiguous(),
+                        zeros=z_gn.to(torch.uint8).contiguous(), group_size=group_size,
+                        perm=perm, splitk_counters=counters)
+
+
+def repack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+               group_size: int) -> W4A16Weights:
+    """AutoAWQ "gemm" tensors (qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N]) -> kernel layout."""
+    _check(qweight.dtype == torch.int32 and qweight.dim() == 2,
+           f"qweight must be int32 [K, N/8], got {qweight.dtype} {tuple(qweight.shape)}")
+    k, n = qweight.shape[0], qweight.shape[1] * 8
+    _check(group_size in (32, 64, 128) or (group_size > 0 and k % group_size == 0 and group_size % 32 == 0),
+           f"group_size must be 32, 64 or 128 (or a multiple of 32 dividing K={k}), got {group_size}")
+    _check(k % group_size == 0, f"group_size {group_size} does not divide in_features K={k}")
+    ng = k // group_size
+    _check(tuple(qzeros.shape) == (ng, n // 8),
+           f"qzeros has shape {tuple(qzeros.shape)}, expected {(ng, n // 8)} for qweight {tuple(qweight.shape)}")
+    _check(tuple(scales.shape) == (ng, n),
+           f"scales has shape {tuple(scales.shape)}, expected {(ng, n)} for qweight {tuple(qweight.shape)}")
+    q = unpack_awq(qweight)  # [K, N]
+    z = unpack_awq(qzeros)  # [K/G, N]
+    return _finish(q, z, scales, group_size, None)
+
+
+def repack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                g_idx: torch.Tensor | None = None) -> W4A16Weights:
+    """GPTQ v1 tensors (qweight [K/8, N], qzeros [K/G, N/8] as z-1, scales [K/G, N], g_idx [K]).
+
+    Act-order (`desc_act`) g_idx is turned into a permutation of K at load: rows are sorted by
+    group so each group is a contiguous run of G rows, and the kernel gathers x[:, perm].
+    """
+    _check(qweight.dtype == torch.int32 and qweight.dim() == 2,
+           f"qweight must be int32 [K/8, N], got {qweight.dtype} {tuple(qweight.shape)}")
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    ng = scales.shape[0]
+    _check(scales.dim() == 2 and scales.shape[1] == n and ng > 0 and k % ng == 0,
+           f"scales has shape {tuple(scales.shape)}, expected [K/G, {n}] with K={k}")
+    group_size = k // ng
+    _check(tuple(qzeros.shape) == (ng, n // 8),
+           f"qzeros has shape {tuple(qzeros.shape)}, expected {(ng, n // 8)}")
+    q = unpack_gptq_qweight(qweight)  # [K, N]
+    z = unpack_gptq_qzeros(qzeros)  # [K/G, N], values 1..16
+    perm = None
+    if g_idx is not None:
+        _check(tuple(g_idx.shape) == (k,), f"g_idx has shape {tuple(g_idx.shape)}, expected ({k},)")
+        g = g_idx.to(torch.long)
+        plain = torch.arange(k, device=g.device) // group_size
+        if not torch.equal(g, plain):
+            order = torch.argsort(g, stable=True)  # [K]
+            _check(torch.equal(g[order], plain),
+                   f"g_idx must put exactly group_size={group_size} input channels in each of {ng} groups")
+            perm = order.to(torch.int32).contiguous()
+            q = q[order]
+    return _finish(q, z, scales, group_size, perm)
+
+
+def dequantize_w4a16(w: W4A16Weights, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Kernel layout -> dense [N, K] in the kernel's K order (apply x[:, perm] before using it)."""
+    n, k = w.out_features, w.in_features
+    q = unpack_gptq_qweight(w.qweight.t().contiguous()).t()  # [N, K] codes
+    g = torch.arange(k, device=q.device) // w.group_size  # [K]
+    z = w.zeros.to(torch.float32).t()[:, g]  # [N, K]
+    s = w.scales.to(torch.float32).t()[:, g]  # [N, K]
+    return ((q.to(torch.float32) - z) * s).to(dtype)
+
+
+def w4a16_linear_reference(x: torch.Tensor, w: W4A16Weights,
+                           compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Pure-torch y = x @ W^T (x [..., K]) -> [..., N] in x's dtype: the CPU path and the test oracle."""
+    k = w.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has last dimension {x.shape[-1]}, expected in_features {k}")
+    x2 = x.reshape(-1, k)
+    if w.perm is not None:
+        x2 = x2[:, w.perm.long()]
+    y = x2.to(compute_dtype) @ dequantize_w4a16(w, compute_dtype).t()
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
