@@ -72,8 +72,9 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
-    """topk_ids [T, top_k] -> MoeAlignment (see module docstring)."""
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                         out: MoeAlignment | None = None) -> MoeAlignment:
+    """topk_ids [T, top_k] -> MoeAlignment (see module docstring); `out` reuses its buffers."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, top_k], got {tuple(topk_ids.shape)}")
     if block_m < 1 or block_m & (block_m - 1):
@@ -83,9 +84,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     num_pairs = flat.numel()
     max_padded = max_padded_rows(num_pairs, num_experts, block_m)
     dev = topk_ids.device
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
-    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    if out is not None:
+        if out.sorted_token_ids.shape[0] != max_padded or out.block_m != block_m:
+            raise ValueError(f"alignment buffers hold {out.sorted_token_ids.shape[0]} rows of block "
+                             f"{out.block_m}, expected {max_padded} rows of block {block_m}")
+        sorted_ids, expert_ids, num_post = out.sorted_token_ids, out.expert_ids, out.num_tokens_post_padded
+    else:
+        sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+        expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
+        num_post = torch.empty(1, dtype=torch.int32, device=dev)
     block_e = max(16, triton.next_power_of_2(num_experts))
     chunk = max(16, min(128, 8192 // block_e))
     _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, num_pairs, num_experts,

@@ -100,7 +100,7 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
     a_row = (pair // a_row_div).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = offs_n < N
-    DTYPE = a_ptr.dtype.element_ty if W_FORMAT != 2 else tl.bfloat16
+    DTYPE = a_ptr.dtype.element_ty  # int4 tiles are dequantised to the activation dtype
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -29,9 +29,11 @@ def _rotate_heads(x_ptr, stride_t, stride_h, token, heads, cos, sin,
     mask = h < heads
     base = x_ptr + token * stride_t + h * stride_h
     if IN_INTERLEAVED:
-        first, second = 2 * i, 2 * i + 1
+        first = 2 * i
+        second = 2 * i + 1
     else:
-        first, second = i, i + HALF
+        first = i
+        second = i + HALF
     x1 = tl.load(base + first, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HALF]
     x2 = tl.load(base + second, mask=mask, other=0.0).to(tl.float32)
     # in place and de-interleaving: every load of this head set must land before any store
@@ -39,9 +41,11 @@ def _rotate_heads(x_ptr, stride_t, stride_h, token, heads, cos, sin,
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
     if OUT_INTERLEAVED:
-        out_first, out_second = 2 * i, 2 * i + 1
+        out_first = 2 * i
+        out_second = 2 * i + 1
     else:
-        out_first, out_second = i, i + HALF
+        out_first = i
+        out_second = i + HALF
     tl.store(base + out_first, o1.to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(base + out_second, o2.to(x_ptr.dtype.element_ty), mask=mask)
 

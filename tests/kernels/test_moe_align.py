@@ -1,0 +1,54 @@
+"""moe_align kernel: every pair lands once in its expert's padded segment, in order; outputs poisoned."""
+import pytest
+import torch
+
+from dsquant.runtime.kernels.moe_align import MoeAlignment, max_padded_rows, moe_align_block_size
+
+
+def _poisoned(num_pairs, num_experts, block_m, device):
+    rows = max_padded_rows(num_pairs, num_experts, block_m)
+    fill = lambda n: torch.full((n,), -7, dtype=torch.int32, device=device)  # noqa: E731
+    return MoeAlignment(fill(rows), fill(rows // block_m), fill(1), block_m, num_pairs)
+
+
+def _check(topk_ids, num_experts, block_m, device):
+    flat = topk_ids.reshape(-1).cpu()
+    n = flat.numel()
+    a = moe_align_block_size(topk_ids, num_experts, block_m, out=_poisoned(n, num_experts, block_m, device))
+    sorted_ids, expert_ids = a.sorted_token_ids.cpu(), a.expert_ids.cpu()
+    counts = torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    total = int(padded.sum())
+    assert int(a.num_tokens_post_padded) == total
+    start = 0
+    for e in range(num_experts):
+        segment = sorted_ids[start:start + padded[e]]
+        expected = torch.nonzero(flat == e).flatten().to(torch.int32)  # pair order kept
+        assert torch.equal(segment[:counts[e]], expected), f"expert {e} holds the wrong pairs"
+        assert (segment[counts[e]:] == n).all(), f"expert {e}: padding must be the sentinel {n}"
+        assert (expert_ids[start // block_m:(start + padded[e]) // block_m] == e).all()
+        start += int(padded[e])
+    assert (sorted_ids[total:] == n).all() and (expert_ids[total // block_m:] == -1).all()
+
+
+@pytest.mark.parametrize("t,top_k,num_experts,block_m", [
+    (1, 6, 64, 16), (7, 2, 8, 16), (33, 6, 64, 32), (200, 8, 256, 64), (5, 3, 4, 1), (64, 6, 66, 16)])
+def test_align_groups_pairs_by_expert(t, top_k, num_experts, block_m, device):
+    ids = torch.stack([torch.randperm(num_experts, device=device)[:top_k] for _ in range(t)])
+    _check(ids, num_experts, block_m, device)
+
+
+def test_align_with_empty_experts_and_repeats(device):
+    """Only experts 2 and 9 of 16 receive pairs (the rest none), some pairs share a token's expert."""
+    ids = torch.tensor([[2, 9], [9, 2], [2, 9], [9, 9]], device=device)
+    _check(ids, 16, 4, device)
+
+
+def test_align_drops_out_of_range_ids(device):
+    ids = torch.tensor([[0, -1], [5, 3]], device=device)
+    _check(ids, 4, 4, device)
+
+
+def test_align_rejects_bad_block(device):
+    with pytest.raises(ValueError, match="power of two"):
+        moe_align_block_size(torch.zeros(2, 2, dtype=torch.long, device=device), 4, 24)
