@@ -38,6 +38,7 @@ class Row:
     check: float | None  # relative error vs the peer's output
     config: str
     best_sweep: str = ""
+    sweep: list | None = None  # [(graph us, config)] of every config tried under --sweep
 
 
 def _paged_copy(contig, block_size, gen):
@@ -69,9 +70,13 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _sweep(run, configs) -> str:
-    results = sorted((_graph_only(lambda c=c: run(c)), str(c)) for c in configs)
-    return f"{results[0][0]:.1f}us {results[0][1]}"
+def _sweep(run, configs) -> list:
+    """[(graph us, config)] fastest first."""
+    return sorted((_graph_only(lambda c=c: run(c)), str(c)) for c in configs)
+
+
+def _best(tried: list) -> tuple[str, list | None]:
+    return (f"{tried[0][0]:.1f}us {tried[0][1]}", tried) if tried else ("", None)
 
 
 def _gqa_decode(shape, block_size, sweep, gen, dev="cuda") -> Row:
@@ -102,15 +107,15 @@ def _gqa_decode(shape, block_size, sweep, gen, dev="cuda") -> Row:
 
     check = _rel(ours(), peer()[:, :, 0])
     (g, e), (pg, pe) = _time(ours), _time(peer)
-    best = ""
+    tried = []
     if sweep:
         configs = [DecodeConfig(block_n=bn, num_warps=w, num_stages=s, num_splits=sp)
                    for bn, w, s in [(64, 4, 3), (32, 4, 4), (128, 8, 3), (64, 8, 4), (64, 4, 2)]
                    for sp in (0, 2 * max(1, 132 * 4 // (batch * hkv)))]
-        best = _sweep(ours, configs)
+        tried = _sweep(ours, configs)
     bytes_read = 2 * batch * length * hkv * dim * 2
     return Row("gqa_decode", f"B={batch} Hq={hq} Hkv={hkv} L={length} D={dim} bs={block_size}", g, e, pg, pe,
-               pg / g, bytes_read / g / 1e3, "GB/s", check, str(DecodeConfig()), best)
+               pg / g, bytes_read / g / 1e3, "GB/s", check, str(DecodeConfig()), *_best(tried))
 
 
 def _mla_decode(heads, batch, length, block_size, peer_gb, sweep, gen, dev="cuda") -> Row:
@@ -153,19 +158,21 @@ def _mla_decode(heads, batch, length, block_size, peer_gb, sweep, gen, dev="cuda
         check = _rel(torch.einsum("bhr,hvr->bhv", ours().float(), w_uv.float()), ref)
         pg, pe = _time(peer)
         del k, v
-    best = ""
+    tried = []
     if sweep:
-        configs = [MLADecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=s)
-                   for bh, bn, w, s in [(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3), (16, 32, 8, 2),
-                                        (32, 32, 8, 2), (32, 16, 4, 2), (64, 32, 8, 2), (64, 16, 8, 1)]
-                   if bh <= max(16, heads)]
-        best = _sweep(ours, configs)
+        if heads <= 16:
+            shapes = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 1), (16, 32, 8, 2), (16, 64, 8, 2)]
+        else:
+            shapes = [(64, 32, 8, 2), (64, 16, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 8, 1), (32, 32, 8, 2)]
+        configs = [MLADecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=s, num_splits=sp)
+                   for bh, bn, w, s in shapes for sp in (0, 8, 32)]
+        tried = _sweep(ours, configs)
     bytes_read = batch * length * (RANK + ROPE) * 2
     return Row("mla_decode", f"H={heads} B={batch} L={length} bs={block_size}", g, e, pg, pe,
-               pg / g if pg else None, bytes_read / g / 1e3, "GB/s", check, str(MLADecodeConfig()), best)
+               pg / g if pg else None, bytes_read / g / 1e3, "GB/s", check, str(MLADecodeConfig()), *_best(tried))
 
 
-def _gqa_prefill(batch, hq, hkv, length, dim, block_size, gen, dev="cuda") -> Row:
+def _gqa_prefill(batch, hq, hkv, length, dim, block_size, sweep, gen, dev="cuda") -> Row:
     import torch
     import torch.nn.functional as F
 
@@ -185,17 +192,22 @@ def _gqa_prefill(batch, hq, hkv, length, dim, block_size, gen, dev="cuda") -> Ro
     scale = 1.0 / math.sqrt(dim)
     out = torch.empty_like(q)
 
-    def ours():
-        return paged_prefill_attention(q, k_cache, v_cache, table, lens, cu, scale, max_q_len=length, out=out)
+    def ours(config=PrefillConfig()):
+        return paged_prefill_attention(q, k_cache, v_cache, table, lens, cu, scale, max_q_len=length, config=config,
+                                       out=out)
 
     def peer():
         return F.scaled_dot_product_attention(q4, k4, v4, scale=scale, is_causal=True, enable_gqa=True)
 
     check = _rel(ours().view(batch, length, hq, dim).transpose(1, 2), peer())
     (g, e), (pg, pe) = _time(ours), _time(peer)
+    tried = []
+    if sweep:
+        tried = _sweep(ours, [PrefillConfig(*c) for c in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3),
+                                                          (128, 64, 8, 2), (64, 64, 4, 4), (128, 128, 8, 2)]])
     flops = 4 * batch * hq * dim * length * (length + 1) / 2
     return Row("gqa_prefill", f"B={batch} Hq={hq} Hkv={hkv} L={length} D={dim} bs={block_size}", g, e, pg, pe,
-               pg / g, flops / g / 1e6, "TFLOP/s", check, str(PrefillConfig()))
+               pg / g, flops / g / 1e6, "TFLOP/s", check, str(PrefillConfig()), *_best(tried))
 
 
 def _print(rows) -> None:
@@ -236,7 +248,7 @@ def attention(json_path, block_size, peer_gb, sweep) -> None:
                 rows.append(_mla_decode(heads, batch, length, block_size, peer_gb, sweep, gen))
                 _print(rows[-1:])
                 torch.cuda.empty_cache()
-    rows.append(_gqa_prefill(4, 32, 8, 4096, 128, block_size, gen))
+    rows.append(_gqa_prefill(4, 32, 8, 4096, 128, block_size, sweep, gen))
     click.echo(f"\n{environment()}")
     _print(rows)
     write_json(json_path, rows, {"block_size": block_size})

@@ -80,3 +80,14 @@ def test_paged_decode_gpu(block_size, group, device):
 @pytest.mark.parametrize("splits", [1, 7])
 def test_paged_decode_gpu_forced_splits(splits, device):
     _run_case(device, torch.bfloat16, [5000, 17, 16], 16, 8, 4, 128, DecodeConfig(num_splits=splits), atol=1e-2)
+
+
+def test_split_heuristic_fills_the_gpu_only_when_needed():
+    """One long sequence is split to fill ~4 waves of 132 SMs; a full batch is not; splits keep >= min_tokens."""
+    from dsquant.runtime.kernels.split_kv_merge import choose_num_splits
+
+    assert choose_num_splits(programs=8, max_seq_len=32768, min_tokens=256, sms=132) == 64  # capped
+    assert choose_num_splits(programs=256, max_seq_len=4096, min_tokens=256, sms=132) == 3
+    assert choose_num_splits(programs=1024, max_seq_len=8192, min_tokens=256, sms=132) == 1
+    assert choose_num_splits(programs=32, max_seq_len=4096, min_tokens=512, sms=132) == 8  # 4096 / 512
+    assert choose_num_splits(programs=1, max_seq_len=100, min_tokens=256, sms=132) == 1

@@ -125,8 +125,17 @@ def _check(q_nope, q_pe, kv_cache, block_table, seq_lens) -> None:
 
 
 def default_block_h(num_heads: int) -> int:
-    """Heads per program: 16 fills the dot's rows for V2-Lite's 16 heads; more heads share a latent tile."""
-    return 16 if num_heads <= 16 else 32
+    """Heads per program: 16 fills the dot's rows for V2-Lite's 16 heads; with V3's 128 heads the kernel
+    is bound by tensor-core work (2 x 1088 FLOP per head per 1152-byte token), and 64 heads per
+    latent tile ran about 2x faster than 32 on an H200 (bench attention --sweep, 2026-11-29)."""
+    return 16 if num_heads <= 16 else 64
+
+
+def min_split_tokens(block_h: int, block_n: int) -> int:
+    """Fewest tokens per split. With few heads the kernel is bandwidth-bound and a split's partial
+    output (block_h x 512 float32, written then read by the merge) costs bytes: 512 tokens keep it
+    near a tenth of the latent read at 16 heads. With many heads it is compute-bound: split freely."""
+    return 512 if block_h <= 16 else 4 * block_n
 
 
 def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -144,8 +153,8 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     block_h = config.block_h or default_block_h(heads)
     num_warps = config.num_warps or (4 if block_h <= 16 else 8)  # the [block_h, R] fp32 accumulator lives in registers
     head_blocks = triton.cdiv(heads, block_h)
-    splits = config.num_splits or choose_num_splits(batch * head_blocks, max_seq_len, config.block_n,
-                                                    num_sms(q_nope.device))
+    splits = config.num_splits or choose_num_splits(batch * head_blocks, max_seq_len,
+                                                    min_split_tokens(block_h, config.block_n), num_sms(q_nope.device))
     per_split = split_plan(max_seq_len, splits, config.block_n)
     if splits > 1:
         part_out = torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=q_nope.device)

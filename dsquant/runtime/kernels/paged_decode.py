@@ -131,7 +131,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         max_seq_len = block_table.shape[1] * block_size
     if out is None:
         out = torch.empty_like(query)
-    splits = config.num_splits or choose_num_splits(batch * hkv, max_seq_len, config.block_n, num_sms(query.device))
+    splits = config.num_splits or choose_num_splits(batch * hkv, max_seq_len, 4 * config.block_n, num_sms(query.device))
     per_split = split_plan(max_seq_len, splits, config.block_n)
     block_d = max(16, triton.next_power_of_2(dim))
     if splits > 1:

@@ -54,17 +54,18 @@ def num_sms(device: torch.device) -> int:
     return 132
 
 
-def choose_num_splits(programs: int, max_seq_len: int, block_n: int, sms: int,
-                      waves: int = 4, min_tiles: int = 4, max_splits: int = 64) -> int:
-    """Splits per sequence so that programs x splits fills about `waves` x sms, each split >= min_tiles tiles.
+def choose_num_splits(programs: int, max_seq_len: int, min_tokens: int, sms: int,
+                      waves: int = 4, max_splits: int = 64) -> int:
+    """Splits per sequence so that programs x splits fills about `waves` x sms, each split >= min_tokens.
 
     `programs` is the launch's program count without splitting (batch x head groups). Decode at
-    large batch needs no split; one long sequence needs many.
+    large batch needs no split; one long sequence needs many. min_tokens bounds the cost of the
+    partial results (written and read back once per split) against the keys a split reads.
     """
     if programs >= waves * sms:
         return 1
     wanted = triton.cdiv(waves * sms, programs)
-    useful = max(1, max_seq_len // (min_tiles * block_n))
+    useful = max(1, max_seq_len // max(1, min_tokens))
     return max(1, min(wanted, useful, max_splits))
 
 
