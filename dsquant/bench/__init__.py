@@ -10,6 +10,8 @@ import click
 # (module under dsquant.bench, command name); add a line when a benchmark works end to end.
 COMMANDS: list[tuple[str, str]] = [
     ("attention", "attention"),
+    ("moe", "moe"),
+    ("gemm", "gemm"),
 ]
 
 

@@ -31,7 +31,7 @@ from dsquant.runtime.kernels.splitk import store_tile
 FP8_BLOCK = 128
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "split_k"])  # one compile for any M and split
 def _fp8_block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counters_ptr,
                            M, N, K, stride_am, stride_asm, stride_asg, stride_wn, stride_wsn,
                            stride_om, split_k, A_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -133,8 +133,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                          f"{tuple(out.shape)}")
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
+    cfg = config or fp8_config(m, n, k, x.device)
     if weight_only is None:
-        weight_only = not has_fp8_mma(x.device)
+        weight_only = cfg.path == "weight_only" or not has_fp8_mma(x.device)
     if is_fp8:
         a, a_s, mode = x2, x_scale, 0
     elif weight_only:
@@ -143,7 +144,6 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         a, a_s, mode = x2, weight_scale_inv, 1
     else:
         (a, a_s), mode = per_token_group_quant_fp8(x2, FP8_BLOCK), 0
-    cfg = config or fp8_config(m, n, k, x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = min(cfg.split_k, triton.cdiv(k, FP8_BLOCK))
     part, counters = out, out  # unused when split == 1

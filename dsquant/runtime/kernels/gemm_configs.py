@@ -21,12 +21,12 @@ class GemmConfig:
     split_k: int  # programs sharing one output tile along K
     num_warps: int
     num_stages: int
-    path: str = "fused"  # W4A16 only: "fused" or "dequant" (dequantize + cuBLAS)
+    path: str = "fused"  # W4A16: "fused" | "dequant" (dequantize + cuBLAS); FP8: "fused" | "weight_only"
 
 
 DECODE_MAX_M = 64
 # Tuned on the H200 (sm_90) with scripts/gemm_sweep.py: {(kind, m_bucket, n, k): GemmConfig}.
-# m_bucket is the block_m the heuristic would use (16, 32, 64) or "large".
+# m_bucket(M) is M rounded up to a power of two, clamped to [16, 4096].
 TUNED_SM90: dict = {}
 
 
@@ -43,10 +43,9 @@ def _gpu_family(device=None) -> str:
     return f"sm{major}0"
 
 
-def m_bucket(m: int):
-    if m > DECODE_MAX_M:
-        return "large"
-    return max(16, triton_next_pow2(m))
+def m_bucket(m: int) -> int:
+    """Token-count bucket a tuned entry covers: 16, 32, 64 (decode), 128, ..., 4096 (and above)."""
+    return min(max(16, triton_next_pow2(m)), 4096)
 
 
 def triton_next_pow2(x: int) -> int:

@@ -29,7 +29,7 @@ from dsquant.runtime.kernels.w4a16_repack import W4A16Weights
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "split_k"])  # one compile for any M and split
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counters_ptr,
                        M, N, num_groups, stride_xm, stride_qn, stride_sg, stride_zg, stride_om,
                        split_k,

@@ -1,0 +1,215 @@
+"""`dsquant bench gemm`: W4A16 and FP8 block GEMMs beside cuBLAS bf16, tinygemm and _scaled_mm.
+
+For each weight shape K x N and token count M, on one random bf16 weight and one random x, times:
+  bf16        torch.matmul on the bf16 weight (cuBLAS)
+  tinygemm    torch.ops.aten._weight_int4pack_mm on the same int4 codes, packed by
+              torch.ops.aten._convert_weight_to_int4pack (group 128, bf16 scales and zeros)
+  scaled_mm   torch._scaled_mm, blockwise scales (x 1x128, W 128x128), on x already quantized
+              (the quantizer is not in its time); "refused" where cuBLAS rejects the shape
+  w4a16       dsquant w4a16_linear (AWQ codes repacked), the path gemm_configs picks for M
+  fp8         dsquant fp8_block_linear from bf16 x, activation quantization included
+Times are medians as CUDA-graph replays and as eager launches (common.time_graph_and_eager);
+TFLOP/s and weight GB/s use the graph time; speed-ups are over bf16 in the same run. Each
+method's output is checked against an fp32 product with its own dequantized weight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+from dsquant.bench.common import environment, time_graph_and_eager, write_json
+
+SHAPES = "2048x10944,2048x2816,7168x4096,7168x18432"
+M_VALUES = "1,4,16,64,256,1024,4096"
+METHODS = ("bf16", "tinygemm", "scaled_mm", "w4a16", "fp8")
+
+
+@dataclass
+class GemmRow:
+    k: int
+    n: int
+    m: int
+    method: str
+    graph_us: float | None
+    eager_us: float | None
+    tflops: float | None
+    weight_gbps: float | None
+    speedup_graph: float | None  # bf16 graph time / this graph time
+    speedup_eager: float | None
+    rel_err: float | None  # vs fp32 x @ (this method's dequantized weight)^T
+    note: str = ""
+
+
+def _tinygemm_pack(q, scales, zeros, group):
+    """Codes [N, K], scales/zeros [N, K/G] -> tinygemm's packed weight and [K/G, N, 2] bf16 qparams.
+
+    tinygemm dequantizes w = (q - 8) * scale + zero, so zero = (8 - z) * scale for w = (q - z) * s.
+    """
+    import torch
+
+    packed_u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)  # [N, K/2]
+    packed = torch.ops.aten._convert_weight_to_int4pack(packed_u8, 8)
+    zero = (8 - zeros.to(torch.float32)) * scales
+    qparams = torch.stack([scales, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return packed, qparams
+
+
+def _weights(k, n, group, seed):
+    import torch
+
+    from dsquant import formats as F
+    from dsquant.runtime.kernels.w4a16_repack import repack_awq
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)  # [N, K]
+    q, s, z = F.quantize_int_groupwise(w, group)
+    qweight, qzeros, scales = F.to_awq_tensors(q, s, z, dtype=torch.bfloat16)
+    int4 = repack_awq(qweight, qzeros, scales, group)
+    w_int4 = F.dequantize_int_groupwise(q, scales.t().float(), z, group)  # [N, K] what int4 sees
+    tg_packed, tg_qparams = _tinygemm_pack(q, scales.t().float(), z, group)
+    wq, ws = F.quantize_fp8_block(w)
+    w_fp8 = F.dequantize_fp8_block(wq, ws)
+    return dict(w=w, int4=int4, w_int4=w_int4, tg=(tg_packed, tg_qparams), fp8=(wq, ws), w_fp8=w_fp8)
+
+
+def _methods(wts, x, group):
+    """name -> (fn, weight bytes, dense fp32 weight the method computes with)."""
+    import torch
+
+    from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
+    from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8
+    from dsquant.runtime.kernels.w4a16_gemm import w4a16_linear
+
+    w, int4, (tg_packed, tg_qparams), (wq, ws) = wts["w"], wts["int4"], wts["tg"], wts["fp8"]
+    xq, xs = per_token_group_quant_fp8(x, column_major_scales=True)
+    counters = torch.zeros(8192, dtype=torch.int32, device="cuda")
+    nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)
+    return {
+        "bf16": (lambda: torch.matmul(x, w.t()), nbytes(w), w.float()),
+        "tinygemm": (lambda: torch.ops.aten._weight_int4pack_mm(x, tg_packed, group, tg_qparams),
+                     nbytes(tg_packed, tg_qparams), wts["w_int4"]),
+        "scaled_mm": (lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(),
+                                               out_dtype=torch.bfloat16),
+                      nbytes(wq, ws), wts["w_fp8"]),
+        "w4a16": (lambda: w4a16_linear(x, int4), int4.nbytes(), wts["w_int4"]),
+        "fp8": (lambda: fp8_block_linear(x, wq, ws, splitk_counters=counters), nbytes(wq, ws),
+                wts["w_fp8"]),
+    }
+
+
+def run_shape(k, n, m_values, group, rep_ms, seed=0) -> list[GemmRow]:
+    import torch
+
+    wts = _weights(k, n, group, seed)
+    rows = []
+    for m in m_values:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        base = {}
+        for name, (fn, wbytes, dense) in _methods(wts, x, group).items():
+            try:
+                y = fn()
+            except RuntimeError as e:  # cuBLAS's blockwise path refuses some shapes
+                rows.append(GemmRow(k, n, m, name, None, None, None, None, None, None, None,
+                                    f"refused: {str(e).splitlines()[0][:120]}"))
+                continue
+            ref = x.float() @ dense.t()
+            rel = ((y.float() - ref).norm() / ref.norm()).item()
+            g_us, e_us = time_graph_and_eager(fn, warmup_ms=10, rep_ms=rep_ms)
+            if name == "bf16":
+                base = {"g": g_us, "e": e_us}
+            rows.append(GemmRow(k, n, m, name, g_us, e_us, 2 * m * n * k / g_us / 1e6,
+                                wbytes / g_us / 1e3, base["g"] / g_us, base["e"] / e_us, rel))
+        del x
+    del wts
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _time(rows, k, n, m, method, key="graph_us"):
+    for r in rows:
+        if (r.k, r.n, r.m, r.method) == (k, n, m, method):
+            return getattr(r, key)
+    return None
+
+
+def check_targets(rows) -> list[tuple[str, str, bool]]:
+    """Issue 9's targets (graph times) -> [(target, measured, met)]."""
+    out = []
+
+    def ratio(k, n, m, a, b):  # time(b) / time(a): how many times faster a is than b
+        ta, tb = _time(rows, k, n, m, a), _time(rows, k, n, m, b)
+        return None if ta is None or tb is None else tb / ta
+
+    def add(name, val, ok):
+        out.append((name, "n/a" if val is None else f"{val:.2f}", bool(val is not None and ok(val))))
+
+    for k, n in ((7168, 18432), (7168, 4096)):
+        for m in (1, 4, 16):
+            add(f"w4a16 vs bf16 {k}x{n} M={m} >= 2.5x", ratio(k, n, m, "w4a16", "bf16"), lambda v: v >= 2.5)
+            add(f"w4a16 vs tinygemm {k}x{n} M={m} >= 1.5x", ratio(k, n, m, "w4a16", "tinygemm"),
+                lambda v: v >= 1.5)
+        add(f"w4a16 vs bf16 {k}x{n} M=64 >= 1.5x", ratio(k, n, 64, "w4a16", "bf16"), lambda v: v >= 1.5)
+        for m in (1, 4, 16, 64):
+            add(f"fp8 vs bf16 {k}x{n} M={m} >= 1.6x", ratio(k, n, m, "fp8", "bf16"), lambda v: v >= 1.6)
+    for k, n in ((2048, 10944), (2048, 2816)):
+        for m in (1, 4, 16):
+            add(f"w4a16 vs tinygemm {k}x{n} M={m} >= 1.0x", ratio(k, n, m, "w4a16", "tinygemm"),
+                lambda v: v >= 1.0)
+    shapes = sorted({(r.k, r.n) for r in rows})
+    for k, n in shapes:
+        for m in (1024, 4096):
+            add(f"w4a16 time / bf16 time {k}x{n} M={m} <= 1.25", None if ratio(k, n, m, "w4a16", "bf16") is None
+                else 1 / ratio(k, n, m, "w4a16", "bf16"), lambda v: v <= 1.25)
+            add(f"fp8 vs scaled_mm {k}x{n} M={m} >= 0.9x", ratio(k, n, m, "fp8", "scaled_mm"), lambda v: v >= 0.9)
+    add("w4a16 7168x18432 M=1 <= 22 us", _time(rows, 7168, 18432, 1, "w4a16"), lambda v: v <= 22)
+    add("fp8 M=1 runs (7168x18432, us)", _time(rows, 7168, 18432, 1, "fp8"), lambda v: v > 0)
+    return out
+
+
+def markdown_table(rows) -> str:
+    lines = ["| K x N | M | " + " | ".join(f"{m} graph us (x bf16)" for m in METHODS) + " |",
+             "| --- | --- |" + " --- |" * len(METHODS)]
+    for k, n, m in sorted({(r.k, r.n, r.m) for r in rows}, key=lambda t: (t[0], t[1], t[2])):
+        cells = []
+        for meth in METHODS:
+            g, s = _time(rows, k, n, m, meth), _time(rows, k, n, m, meth, "speedup_graph")
+            cells.append("refused" if g is None else f"{g:.1f} ({s:.2f}x)")
+        lines.append(f"| {k} x {n} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@click.command(name="gemm")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
+@click.option("--shapes", default=SHAPES, show_default=True, help="Comma-separated KxN weights.")
+@click.option("--m", "m_list", default=M_VALUES, show_default=True, help="Comma-separated token counts.")
+@click.option("--group-size", default=128, show_default=True, type=click.Choice(["32", "64", "128"]))
+@click.option("--rep-ms", default=50, show_default=True, help="Timing window per measurement.")
+def gemm(json_path, shapes, m_list, group_size, rep_ms) -> None:
+    """W4A16 and FP8 block GEMM vs cuBLAS bf16, tinygemm int4 and blockwise _scaled_mm (GPU)."""
+    import torch
+
+    from dsquant.errors import DsquantError
+
+    if not torch.cuda.is_available():
+        raise DsquantError("dsquant bench gemm needs a CUDA GPU")
+    try:
+        dims = [tuple(int(v) for v in s.lower().split("x")) for s in shapes.split(",")]
+        ms = [int(v) for v in m_list.split(",")]
+    except ValueError:
+        raise DsquantError(f"--shapes must look like 7168x4096,2048x2816 and --m like 1,16; got "
+                           f"{shapes!r} and {m_list!r}") from None
+    rows = []
+    for k, n in dims:
+        rows += run_shape(k, n, ms, int(group_size), rep_ms)
+        for r in rows[-len(ms) * len(METHODS):]:
+            g = "refused" if r.graph_us is None else f"{r.graph_us:9.1f} us  x{r.speedup_graph:5.2f}"
+            click.echo(f"{k:5d}x{n:<6d} M={r.m:<5d} {r.method:10s} {g}  err {r.rel_err}")
+    env = environment()
+    click.echo(f"\n{env['gpu']}  torch {env['torch']}  triton {env['triton']}  {env['date']}\n")
+    click.echo(markdown_table(rows))
+    targets = check_targets(rows)
+    click.echo("\ntargets:")
+    for name, val, ok in targets:
+        click.echo(f"  [{'met' if ok else 'MISS'}] {name}: {val}")
+    write_json(json_path, rows, {"group_size": int(group_size), "targets": targets})
