@@ -67,10 +67,13 @@ def _weights(k, n, group, seed):
     qweight, qzeros, scales = F.to_awq_tensors(q, s, z, dtype=torch.bfloat16)
     int4 = repack_awq(qweight, qzeros, scales, group)
     w_int4 = F.dequantize_int_groupwise(q, scales.t().float(), z, group)  # [N, K] what int4 sees
-    tg_packed, tg_qparams = _tinygemm_pack(q, scales.t().float(), z, group)
+    try:
+        tg = _tinygemm_pack(q, scales.t().float(), z, group)
+    except RuntimeError as e:  # recorded as "refused" for each M
+        tg = (e, None)
     wq, ws = F.quantize_fp8_block(w)
     w_fp8 = F.dequantize_fp8_block(wq, ws)
-    return dict(w=w, int4=int4, w_int4=w_int4, tg=(tg_packed, tg_qparams), fp8=(wq, ws), w_fp8=w_fp8)
+    return dict(w=w, int4=int4, w_int4=w_int4, tg=tg, fp8=(wq, ws), w_fp8=w_fp8)
 
 
 def _methods(wts, x, group):
@@ -84,11 +87,15 @@ def _methods(wts, x, group):
     w, int4, (tg_packed, tg_qparams), (wq, ws) = wts["w"], wts["int4"], wts["tg"], wts["fp8"]
     xq, xs = per_token_group_quant_fp8(x, column_major_scales=True)
     counters = torch.zeros(8192, dtype=torch.int32, device="cuda")
-    nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)
+    nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+    def tinygemm():
+        if isinstance(tg_packed, Exception):
+            raise RuntimeError(f"packing failed: {tg_packed}")
+        return torch.ops.aten._weight_int4pack_mm(x, tg_packed, group, tg_qparams)
     return {
         "bf16": (lambda: torch.matmul(x, w.t()), nbytes(w), w.float()),
-        "tinygemm": (lambda: torch.ops.aten._weight_int4pack_mm(x, tg_packed, group, tg_qparams),
-                     nbytes(tg_packed, tg_qparams), wts["w_int4"]),
+        "tinygemm": (tinygemm, nbytes(tg_packed, tg_qparams), wts["w_int4"]),
         "scaled_mm": (lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(),
                                                out_dtype=torch.bfloat16),
                       nbytes(wq, ws), wts["w_fp8"]),
