@@ -11,10 +11,11 @@ def _poisoned(num_pairs, num_experts, block_m, device):
     return MoeAlignment(fill(rows), fill(rows // block_m), fill(1), block_m, num_pairs)
 
 
-def _check(topk_ids, num_experts, block_m, device):
+def _check(topk_ids, num_experts, block_m, device, method="triton"):
     flat = topk_ids.reshape(-1).cpu()
     n = flat.numel()
-    a = moe_align_block_size(topk_ids, num_experts, block_m, out=_poisoned(n, num_experts, block_m, device))
+    a = moe_align_block_size(topk_ids, num_experts, block_m, out=_poisoned(n, num_experts, block_m, device),
+                             method=method)
     sorted_ids, expert_ids = a.sorted_token_ids.cpu(), a.expert_ids.cpu()
     counts = torch.bincount(flat[(flat >= 0) & (flat < num_experts)], minlength=num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
@@ -33,20 +34,32 @@ def _check(topk_ids, num_experts, block_m, device):
 
 @pytest.mark.parametrize("t,top_k,num_experts,block_m", [
     (1, 6, 64, 16), (7, 2, 8, 16), (33, 6, 64, 32), (200, 8, 256, 64), (5, 3, 4, 1), (64, 6, 66, 16)])
-def test_align_groups_pairs_by_expert(t, top_k, num_experts, block_m, device):
+@pytest.mark.parametrize("method", ["triton", "torch"])
+def test_align_groups_pairs_by_expert(t, top_k, num_experts, block_m, method, device):
     ids = torch.stack([torch.randperm(num_experts, device=device)[:top_k] for _ in range(t)])
-    _check(ids, num_experts, block_m, device)
+    _check(ids, num_experts, block_m, device, method)
 
 
-def test_align_with_empty_experts_and_repeats(device):
+@pytest.mark.parametrize("method", ["triton", "torch"])
+def test_align_with_empty_experts_and_repeats(method, device):
     """Only experts 2 and 9 of 16 receive pairs (the rest none), some pairs share a token's expert."""
     ids = torch.tensor([[2, 9], [9, 2], [2, 9], [9, 9]], device=device)
-    _check(ids, 16, 4, device)
+    _check(ids, 16, 4, device, method)
 
 
-def test_align_drops_out_of_range_ids(device):
+@pytest.mark.parametrize("method", ["triton", "torch"])
+def test_align_drops_out_of_range_ids(method, device):
     ids = torch.tensor([[0, -1], [5, 3]], device=device)
-    _check(ids, 4, 4, device)
+    _check(ids, 4, 4, device, method)
+
+
+@pytest.mark.gpu
+def test_align_full_size_both_methods(device):
+    """V2-Lite at T=4096 (66 experts with the shared ones, 8 pairs a token) and V3 at T=512."""
+    for t, e, k in ((4096, 66, 8), (512, 256, 8)):
+        ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(t)])
+        for method in ("triton", "torch"):
+            _check(ids, e, 64, device, method)
 
 
 def test_align_rejects_bad_block(device):

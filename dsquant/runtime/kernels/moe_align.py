@@ -9,8 +9,10 @@ the flattened index t * top_k + j. Outputs (fixed sizes, so the launch is CUDA-g
 - num_tokens_post_padded int32 [1]: rows in use (a multiple of BLOCK_M).
 max_padded = T*top_k + min(E, T*top_k) * (BLOCK_M - 1), rounded up to BLOCK_M: at most that many
 experts receive pairs, each wasting at most BLOCK_M - 1 rows.
-One program does it all (two passes over the pairs, one-hot counts and in-chunk prefix sums): a
-single small launch, which is what decode wants; its cost grows with T*top_k*E.
+Two implementations with identical outputs: "triton", one program doing it all (two passes over
+the pairs, one-hot counts and in-chunk prefix sums), a single small launch, which is what decode
+wants, but its cost grows with T*top_k*E; and "torch", a stable argsort plus scatters (about a
+dozen launches, all capturable), which wins for large batches. "auto" picks by the pair count.
 """
 from __future__ import annotations
 
@@ -72,8 +74,38 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
+TRITON_MAX_PAIRS = 1024  # "auto" uses the single-program kernel up to this many pairs
+
+
+def _align_torch(flat, num_experts, block_m, sorted_ids, expert_ids, num_post):
+    """The same outputs as _moe_align_kernel, in torch ops (stable sort keeps the pair order)."""
+    n = flat.numel()
+    valid = (flat >= 0) & (flat < num_experts)
+    bins = torch.where(valid, flat, num_experts).long()  # [N], dropped pairs in bin E
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, bins, torch.ones_like(bins))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    ends = padded.cumsum(0)
+    order = torch.sort(bins, stable=True)[1]  # [N] pair indices grouped by expert
+    sorted_bins = bins[order]
+    first = (counts.cumsum(0) - counts)  # [E] first sorted index of each expert
+    keep = sorted_bins < num_experts
+    e = sorted_bins.clamp(max=num_experts - 1)
+    pos = (ends - padded)[e] + torch.arange(n, device=flat.device) - first[e]
+    pos = torch.where(keep, pos, sorted_ids.shape[0])  # dropped pairs go to a spare slot
+    buf = torch.full((sorted_ids.shape[0] + 1,), n, dtype=torch.int32, device=flat.device)
+    buf.scatter_(0, pos, order.to(torch.int32))
+    sorted_ids.copy_(buf[:-1])
+    block_start = torch.arange(expert_ids.shape[0], device=flat.device) * block_m
+    total = ends[-1]
+    blocks = torch.searchsorted(ends, block_start, right=True)
+    expert_ids.copy_(torch.where(block_start < total, blocks, -1).to(torch.int32))
+    num_post.copy_(total.reshape(1).to(torch.int32))
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-                         out: MoeAlignment | None = None) -> MoeAlignment:
+                         out: MoeAlignment | None = None, method: str = "auto") -> MoeAlignment:
     """topk_ids [T, top_k] -> MoeAlignment (see module docstring); `out` reuses its buffers."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, top_k], got {tuple(topk_ids.shape)}")
@@ -93,6 +125,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
         expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
         num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    if method == "torch" or (method == "auto" and num_pairs > TRITON_MAX_PAIRS):
+        _align_torch(flat, num_experts, block_m, sorted_ids, expert_ids, num_post)
+        return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, num_pairs)
     block_e = max(16, triton.next_power_of_2(num_experts))
     chunk = max(16, min(128, 8192 // block_e))
     _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, num_pairs, num_experts,
