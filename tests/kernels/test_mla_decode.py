@@ -119,3 +119,17 @@ def test_mla_decode_gpu(block_size, heads, device):
 @pytest.mark.parametrize("splits", [1, 5])
 def test_mla_decode_gpu_forced_splits(splits, device):
     _check(device, torch.bfloat16, [6000, 1, 16], 64, 128, 512, 64, MLADecodeConfig(num_splits=splits), atol=1e-2)
+
+
+@pytest.mark.parametrize("heads,batch,length,expected", [
+    (16, 1, 4096, 32), (16, 1, 32768, 64), (16, 32, 4096, 8), (16, 32, 32768, 32), (16, 64, 4096, 8),
+    (16, 64, 32768, 32), (128, 1, 4096, 32), (128, 32, 4096, 8), (128, 32, 32768, 8), (128, 64, 8192, 4),
+    (16, 4, 100, 1),
+])
+def test_mla_split_choice(heads, batch, length, expected):
+    """Split counts the heuristic picks on a 132-SM GPU: powers of two; for every bench shape but
+    (128, 64, *) the pick is the fastest of the split counts measured with the default tiles in the 2026-11-29 H200 sweep."""
+    from dsquant.runtime.kernels.mla_decode import choose_mla_splits, default_block_h
+
+    block_h = default_block_h(heads)
+    assert choose_mla_splits(batch * -(-heads // block_h), block_h, 32, length, 132) == expected

@@ -131,11 +131,19 @@ def default_block_h(num_heads: int) -> int:
     return 16 if num_heads <= 16 else 64
 
 
-def min_split_tokens(block_h: int, block_n: int) -> int:
-    """Fewest tokens per split. With few heads the kernel is bandwidth-bound and a split's partial
-    output (block_h x 512 float32, written then read by the merge) costs bytes: 512 tokens keep it
-    near a tenth of the latent read at 16 heads. With many heads it is compute-bound: split freely."""
-    return 512 if block_h <= 16 else 4 * block_n
+def choose_mla_splits(programs: int, block_h: int, block_n: int, max_seq_len: int, sms: int) -> int:
+    """Splits per sequence, a power of two (whole waves on 132 SMs; 9 splits ran 10% slower than 8).
+
+    With 16 heads per program the kernel is bandwidth-bound: splits of about 512 to 1024 tokens
+    (at most 32) keep enough loads in flight, and their partial outputs (block_h x 512 float32,
+    written then read back by the merge) stay near a tenth of the latent read. With 64 heads per
+    program it is bound by tensor-core work and splits only need to fill the SMs. Picked from the
+    H200 sweep of 2026-11-29 (BENCHMARKS.md, `dsquant bench attention --sweep`).
+    """
+    splits = choose_num_splits(programs, max_seq_len, 4 * block_n, sms, waves=2 if block_h <= 16 else 4)
+    if block_h <= 16:
+        splits = max(splits, min(32, max_seq_len // 512))
+    return 1 << (max(1, splits).bit_length() - 1)
 
 
 def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -153,8 +161,8 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     block_h = config.block_h or default_block_h(heads)
     num_warps = config.num_warps or (4 if block_h <= 16 else 8)  # the [block_h, R] fp32 accumulator lives in registers
     head_blocks = triton.cdiv(heads, block_h)
-    splits = config.num_splits or choose_num_splits(batch * head_blocks, max_seq_len,
-                                                    min_split_tokens(block_h, config.block_n), num_sms(q_nope.device))
+    splits = config.num_splits or choose_mla_splits(batch * head_blocks, block_h, config.block_n, max_seq_len,
+                                                    num_sms(q_nope.device))
     per_split = split_plan(max_seq_len, splits, config.block_n)
     if splits > 1:
         part_out = torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=q_nope.device)
