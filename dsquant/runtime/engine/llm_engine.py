@@ -1,0 +1,218 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time.
+
+    engine = LLMEngine(path, EngineConfig(device="cpu"))
+    engine.add_request("Hello", SamplingParams(max_tokens=8, temperature=0))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsquant.errors import DsquantError
+from dsquant.models.layers import Backends
+from dsquant.runtime.engine.block_manager import BlockManager
+from dsquant.runtime.engine.detokenizer import IncrementalDetokenizer
+from dsquant.runtime.engine.model_runner import ModelRunner, RunnerConfig
+from dsquant.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from dsquant.runtime.engine.sequence import SamplingParams, Sequence
+
+
+@dataclass
+class EngineConfig:
+    device: str | None = None  # None: cuda when available
+    dtype: torch.dtype | None = None  # None: the checkpoint's float dtype
+    block_size: int = 16
+    num_blocks: int | None = None  # None: CUDA profiles; CPU divides kv_cache_memory
+    kv_cache_memory: int = 256 << 20  # CPU KV budget in bytes
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: config's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 64
+    verify_checksums: bool = True
+    seed: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every completion token so far
+    new_token_ids: list[int]
+    text: str = ""
+    delta_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+def _eos_ids(path: Path, cfg) -> set[int]:
+    ids: set[int] = set()
+    for source in (cfg.eos_token_id, _read_json(path / "generation_config.json").get("eos_token_id")):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(i for i in source if isinstance(i, int))
+    return ids
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+
+
+def load_tokenizer(path: Path):
+    """tokenizers.Tokenizer from tokenizer.json, or None (prompts must then be token ids)."""
+    if not (path / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+class LLMEngine:
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None):
+        from dsquant.runtime.loader import load_runtime_model
+
+        self.config = c = config or EngineConfig()
+        self.path = Path(model_path)
+        device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda":
+            from dsquant.runtime.layers.attention_triton import TritonPagedAttention
+            from dsquant.runtime.layers.moe import FusedMoE
+
+            attention, moe = TritonPagedAttention(), FusedMoE()
+            prepare = moe.prepare
+        else:
+            from dsquant.runtime.layers.attention import TorchPagedAttention
+            from dsquant.runtime.layers.moe import LoopMoE
+
+            attention, moe, prepare = TorchPagedAttention(), LoopMoE(), None
+        self.model = load_runtime_model(self.path, Backends(attention=attention, moe=moe), c.dtype, device,
+                                        verify=c.verify_checksums, prepare_layer=prepare)
+        cfg = self.model.config
+        dtype = next(self.model.parameters()).dtype if c.dtype is None else c.dtype
+        max_model_len = c.max_model_len or cfg.max_position_embeddings
+        self.runner = ModelRunner(self.model, attention, RunnerConfig(
+            device=device, dtype=dtype, block_size=c.block_size, max_model_len=max_model_len,
+            max_num_batched_tokens=c.max_num_batched_tokens, enforce_eager=c.enforce_eager,
+            cuda_graph_max_batch=min(c.cuda_graph_max_batch, c.max_num_seqs)), seed=c.seed)
+        num_blocks = c.num_blocks
+        if num_blocks is None:
+            num_blocks = (self.runner.profile_num_blocks(c.gpu_memory_utilization) if device.type == "cuda"
+                          else max(1, c.kv_cache_memory // self.runner.bytes_per_block()))
+            # never more than every running sequence at full length could use
+            num_blocks = min(num_blocks, c.max_num_seqs * -(-max_model_len // c.block_size) + 1)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
+        self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, max_model_len,
+                                                   c.enable_chunked_prefill), self.block_manager)
+        self.max_model_len = max_model_len
+        self.device = device
+        self.tokenizer = load_tokenizer(self.path)
+        self.eos_token_ids = _eos_ids(self.path, cfg)
+        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise DsquantError(f"{self.path}: no tokenizer.json; pass prompt token ids instead of text")
+        return self.tokenizer.encode(prompt).ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise DsquantError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise DsquantError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        need = -(-min(self.max_model_len, len(ids) + params.max_tokens) // self.config.block_size)
+        if need > self.block_manager.num_blocks:
+            raise DsquantError(f"the request needs {need} KV blocks; the cache has {self.block_manager.num_blocks}")
+        seq_id = next(self._ids)
+        request_id = request_id or f"req-{seq_id}"
+        if request_id in self.requests:
+            raise DsquantError(f"request id {request_id!r} is already in use")
+        seq = Sequence(seq_id, request_id, ids, params, arrival_time=time.monotonic())
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
+        self.requests[request_id] = (seq, detok)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        entry = self.requests.pop(request_id, None)
+        if entry is None:
+            return False
+        self.scheduler.finish(entry[0], "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ stepping
+    def _check_stop(self, seq: Sequence, token: int, detok) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if detok is not None and detok.stopped_on is not None:
+            return "stop"
+        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        samples = batch.samples()
+        tokens = iter(self.runner.execute(batch))
+        now, outputs = time.monotonic(), []
+        for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, samples):
+            seq.num_computed_tokens += n
+            if not samp:
+                self.block_manager.register_full_blocks(seq)
+                continue
+            token = next(tokens)
+            seq.append_token(token)
+            self.block_manager.register_full_blocks(seq)
+            seq.first_token_time = seq.first_token_time or now
+            _, detok = self.requests[seq.request_id]
+            stop_token = token in seq.params.stop_token_ids or (
+                not seq.params.ignore_eos and token in self.eos_token_ids)
+            delta = detok.add([] if stop_token else [token]) if detok is not None else ""
+            reason = self._check_stop(seq, token, detok)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                del self.requests[seq.request_id]
+            outputs.append(RequestOutput(
+                request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+                token_ids=seq.completion_token_ids, new_token_ids=[token],
+                text=detok.text if detok is not None else "", delta_text=delta, finished=reason is not None,
+                finish_reason=reason, num_cached_tokens=seq.num_cached_tokens,
+                metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time}))
+        return outputs
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": bm.usage(), "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
+                "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
+                "num_preemptions": self.scheduler.num_preemptions}

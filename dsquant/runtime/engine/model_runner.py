@@ -1,0 +1,157 @@
+"""Builds each step's flattened batch and runs the model over the paged KV cache.
+
+The batch runs as B=1, T=num_tokens (every sequence's new tokens back to back). Per step:
+input_ids [T], positions [T], slot_mapping [T] (where each new token's K/V go), block_tables
+[B, max_blocks], seq_lens [B] (cached + new), cu_seqlens_q [B + 1]; logits are computed only for
+the last new token of each sequence that samples this step (a prefill chunk short of the end of
+the prompt samples nothing). On CUDA, pure-decode batches replay captured CUDA graphs
+(cuda_graph.py) unless enforce_eager.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from dsquant.runtime.engine.sampler import SamplingTensors, sample
+from dsquant.runtime.engine.scheduler import ScheduledBatch
+from dsquant.runtime.layers.attention import PagedContext, allocate_kv_caches, kv_bytes_per_block
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerConfig:
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int = 16
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
+    enforce_eager: bool = True
+    cuda_graph_max_batch: int = 64
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    ctx: PagedContext
+    logits_indices: torch.Tensor  # [S] int64, rows of T whose logits are sampled
+    sampling_seqs: list  # the S sequences that sample, in order
+
+
+class ModelRunner:
+    def __init__(self, model, attention, config: RunnerConfig, seed: int = 0):
+        self.model, self.attention, self.config = model, attention, config
+        self.cfg = model.config
+        model.inv_freq = model.inv_freq.to(config.device)  # so rope_cos_sin never copies host -> device
+        self.kv_caches: list[tuple] = []
+        self.graphs = None
+        self.generator = torch.Generator(device=config.device).manual_seed(seed)
+
+    # ------------------------------------------------------------------ KV cache
+    def bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.cfg, self.config.block_size, self.config.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.cfg, num_blocks, self.config.block_size,
+                                            self.config.dtype, self.config.device)
+        self.attention.bind(self.model, self.kv_caches)
+        self.num_blocks = num_blocks
+
+    @torch.inference_mode()
+    def profile_num_blocks(self, gpu_memory_utilization: float) -> int:
+        """CUDA: run the largest step once, then give the KV cache what the budget leaves."""
+        c = self.config
+        tokens = min(c.max_num_batched_tokens, c.max_model_len)
+        blocks = -(-tokens // c.block_size)
+        self.allocate_kv_cache(blocks)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        ids = torch.zeros(tokens, dtype=torch.int64, device=c.device)
+        pos = torch.arange(tokens, device=c.device)
+        bt = torch.arange(blocks, dtype=torch.int32, device=c.device)[None]
+        ctx = self._context(pos, pos.clone(), bt, [tokens], [tokens])
+        self._forward(ids, pos, ctx, torch.tensor([tokens - 1], device=c.device))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        self.kv_caches = []
+        self.attention.bind(self.model, [])
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        current = torch.cuda.memory_allocated()
+        budget = total * gpu_memory_utilization - (total - free) - (peak - current)
+        num_blocks = int(budget // self.bytes_per_block())
+        if num_blocks <= 0:
+            from dsquant.errors import DsquantError
+            raise DsquantError(f"no GPU memory left for the KV cache at gpu_memory_utilization "
+                               f"{gpu_memory_utilization} (peak step {peak / 2**30:.1f} GiB of {total / 2**30:.1f})")
+        return num_blocks
+
+    def capture_cuda_graphs(self) -> None:
+        if self.config.device.type != "cuda" or self.config.enforce_eager:
+            return
+        from dsquant.runtime.engine.cuda_graph import DecodeGraphs
+
+        try:
+            self.graphs = DecodeGraphs(self, self.config.cuda_graph_max_batch)
+            self.graphs.capture()
+        except Exception as e:  # a kernel that cannot be captured: stay eager, say so
+            log.warning("CUDA graph capture failed, decoding eagerly: %s", e)
+            self.graphs = None
+
+    # ------------------------------------------------------------------ one step
+    def _context(self, positions, slot_mapping, block_tables, q_lens, seq_lens) -> PagedContext:
+        device = self.config.device
+        cos, sin = self.model.rope_cos_sin(positions[None])  # [1, T, rot/2]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        return PagedContext(
+            cos=cos, sin=sin, slot_mapping=slot_mapping, block_tables=block_tables,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            max_q_len=max(q_lens), max_seq_len=max(seq_lens), is_decode=all(n == 1 for n in q_lens),
+            q_lens_host=list(q_lens), seq_lens_host=list(seq_lens))
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        bs, device = self.config.block_size, self.config.device
+        input_ids, positions, slots, q_lens, seq_lens, rows = [], [], [], [], [], []
+        sampling, samples = [], batch.samples()
+        for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, samples):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            q_lens.append(n)
+            seq_lens.append(start + n)
+            if samp:
+                rows.append(len(input_ids) - 1)
+                sampling.append(seq)
+        width = max(len(s.block_table) for s in batch.seqs)
+        table = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        pos = torch.tensor(positions, dtype=torch.int64, device=device)
+        ctx = self._context(pos, torch.tensor(slots, dtype=torch.int64, device=device),
+                            torch.tensor(table, dtype=torch.int32, device=device), q_lens, seq_lens)
+        return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=device), pos, ctx,
+                          torch.tensor(rows, dtype=torch.int64, device=device), sampling)
+
+    def _forward(self, input_ids, positions, ctx, logits_indices) -> torch.Tensor:
+        hidden = self.model.embed(input_ids[None])  # [1, T, hidden]
+        for layer in self.model.model.layers:
+            hidden = layer(hidden, ctx)
+        return self.model.logits(hidden[0, logits_indices])  # [S, vocab]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Run one step; return the new token of each sampling sequence, in batch order."""
+        inputs = self.prepare(batch)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            logits = self.graphs.run(inputs)
+        else:
+            logits = self._forward(inputs.input_ids, inputs.positions, inputs.ctx, inputs.logits_indices)
+        if not inputs.sampling_seqs:
+            return []
+        t = SamplingTensors.from_seqs(inputs.sampling_seqs, logits.shape[-1], self.config.device)
+        return sample(logits, t, self.generator).tolist()  # the step's one device -> host read

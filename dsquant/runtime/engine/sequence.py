@@ -1,0 +1,93 @@
+"""A request's state in the engine: its tokens, how many are in the KV cache, its blocks."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from dsquant.errors import DsquantError
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 = greedy; top_k <= 0 and top_p = 1 switch those filters off."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_tokens <= 0:
+            raise DsquantError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise DsquantError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise DsquantError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request. token_ids = prompt + generated; the first num_computed_tokens are cached."""
+
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float = 0.0):
+        self.seq_id, self.request_id = seq_id, request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of those, found by prefix caching at admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hash of each full block registered so far
+        self.finish_reason: str | None = None
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
+        return -(-num_tokens // block_size)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

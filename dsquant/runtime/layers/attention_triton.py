@@ -1,0 +1,64 @@
+"""Paged attention on CUDA through the Triton kernels (runtime/kernels), same context and caches
+as the torch backend (attention.py).
+
+GQA: store_kv, then paged_decode_attention when every sequence has one new token, else
+paged_prefill_attention (causal varlen with the cached prefix). MLA runs absorbed (design.md):
+W_UK is folded into the query, the latent cache serves as key and value for all heads, and W_UV
+is applied after attention; prefill uses the same kernel with one row per new token
+(mla_decode.prefill_rows). The absorbed W_UK [H, nope, R] and W_UV [H, v, R] are taken once from
+kv_b_proj's dense (dequantized) weight.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsquant.runtime.layers.attention import PagedAttentionBase, PagedContext
+
+
+class TritonPagedAttention(PagedAttentionBase):
+    def __init__(self):
+        super().__init__()
+        self.absorbed: dict = {}  # module -> (w_uk [H, nope, R], w_uv [H, v, R])
+
+    def _absorbed(self, module, dtype):
+        if module not in self.absorbed:
+            w = module.kv_b_proj.method.dequantized_weight(module.kv_b_proj, torch.float32) \
+                if hasattr(module.kv_b_proj, "method") else module.kv_b_proj.weight.float()
+            w = w.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim, module.kv_lora_rank)
+            w_uk, w_uv = w.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
+            self.absorbed[module] = (w_uk.to(dtype).contiguous(), w_uv.to(dtype).contiguous())
+        return self.absorbed[module]
+
+    def gqa(self, module, q, k, v, ctx: PagedContext):
+        from dsquant.runtime.kernels.kv_store import store_kv
+        from dsquant.runtime.kernels.paged_decode import paged_decode_attention
+        from dsquant.runtime.kernels.paged_prefill import paged_prefill_attention
+
+        k_cache, v_cache = self.caches_of(module)
+        store_kv(k[0], v[0], k_cache, v_cache, ctx.slot_mapping)
+        if ctx.is_decode:
+            out = paged_decode_attention(q[0], k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
+                                         module.scaling, max_seq_len=ctx.max_seq_len)
+        else:
+            out = paged_prefill_attention(q[0], k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
+                                          ctx.cu_seqlens_q, module.scaling, max_q_len=ctx.max_q_len)
+        return out[None]  # [1, T, Hq, D]
+
+    def mla(self, module, q_nope, q_pe, kv_latent, k_pe, ctx: PagedContext):
+        from dsquant.runtime.kernels.kv_store import store_latent
+        from dsquant.runtime.kernels.mla_decode import mla_decode_attention, prefill_rows
+
+        (kv_cache,) = self.caches_of(module)
+        store_latent(kv_latent[0], k_pe[0], kv_cache, ctx.slot_mapping)
+        w_uk, w_uv = self._absorbed(module, q_nope.dtype)
+        # q_nope [T, H, nope] -> absorbed [T, H, R]
+        q_abs = torch.einsum("thn,hnr->thr", q_nope[0], w_uk)
+        q_pe = q_pe[0].contiguous()  # [T, H, rope]
+        if ctx.is_decode:
+            block_tables, seq_lens = ctx.block_tables, ctx.seq_lens
+        else:
+            block_tables, seq_lens = prefill_rows(ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables,
+                                                  q_abs.shape[0])
+        latent_out = mla_decode_attention(q_abs, q_pe, kv_cache, block_tables, seq_lens, module.scaling,
+                                          max_seq_len=ctx.max_seq_len)  # [T, H, R]
+        return torch.einsum("thr,hvr->thv", latent_out, w_uv)[None]  # [1, T, H, v]

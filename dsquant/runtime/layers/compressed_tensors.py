@@ -1,0 +1,157 @@
+"""compressed-tensors (llm-compressor) formats: pack-quantized INT4 and float-quantized FP8.
+
+pack-quantized (strategy group or channel):
+  weight_packed int32 [N, K/8]: signed codes q in [-8, 7] stored as q + 8, 8 per int32 along K,
+      element i of each 8 in bits 4i..4i+3;
+  weight_scale [N, K/G] (channel: [N, 1]); weight_zero_point int32 [N/8, K/G] packed along N
+      the same way (absent when symmetric: zero point 0); weight_shape int [2] = (N, K).
+  W[n, k] = (q - z) * s with q, z the signed values.
+float-quantized FP8: weight e4m3 [N, K]; weight_scale fp32 [ceil(N/128), ceil(K/128)] (block),
+  [N, 1] (channel) or [1] (tensor); W = weight * scale.
+Method selection (targets, ignore) is in linear.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsquant import formats
+from dsquant.runtime.layers.quant import LinearMethod, _meta, _w4a16_apply
+
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8]
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C/8] -> unsigned codes int32 [R, C] (element i of each 8 in bits 4i..4i+3)."""
+    q = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF  # [R, C/8, 8]
+    return q.reshape(packed.shape[0], -1)
+
+
+@dataclass
+class CTPackedInt4Method(LinearMethod):
+    """compressed-tensors pack-quantized 4-bit weights, group (or channel) strategy."""
+
+    group_size: int = 128  # 0 or -1: channel strategy (one group spanning K)
+    symmetric: bool = False
+    name = "ct_int4"
+
+    def _groups(self, k: int) -> int:
+        return 1 if self.group_size <= 0 else -(-k // self.group_size)
+
+    def create_weights(self, layer, in_features, out_features):
+        n, k, g = out_features, in_features, self._groups(in_features)
+        layer.weight_packed = _meta((n, k // 8), torch.int32)
+        layer.weight_scale = _meta((n, g), torch.bfloat16)
+        if not self.symmetric:
+            layer.weight_zero_point = _meta((n // 8, g), torch.int32)
+        layer.weight_shape = _meta((2,), torch.int64)
+
+    def _codes(self, layer):
+        """-> (q [N, K] unsigned codes, z [N, G] unsigned zero points, s [N, G] fp32)."""
+        n, k = layer.weight_packed.shape[0], layer.weight_packed.shape[1] * 8
+        q = unpack_int4_rows(layer.weight_packed)  # [N, K]
+        s = layer.weight_scale.to(torch.float32)  # [N, G]
+        if self.symmetric:
+            z = torch.full_like(s, 8, dtype=torch.int32)
+        else:
+            z = unpack_int4_rows(layer.weight_zero_point.t().contiguous()).t()[:n]  # [N, G]
+        return q[:, :k], z, s
+
+    def dequantized_weight(self, layer, dtype):
+        q, z, s = self._codes(layer)
+        k = q.shape[1]
+        gs = k if self.group_size <= 0 else self.group_size
+        g = torch.arange(k, device=q.device) // gs  # [K]
+        return ((q - z[:, g]).to(torch.float32) * s[:, g]).to(dtype)  # [N, K]
+
+    def process_weights_after_loading(self, layer):
+        if layer.weight_packed.device.type != "cuda":
+            return super().process_weights_after_loading(layer)
+        from dsquant.runtime.kernels.w4a16_repack import W4A16Weights
+
+        q, z, s = self._codes(layer)
+        n, k = q.shape
+        gs = k if self.group_size <= 0 else self.group_size
+        packed = formats.pack_gptq_qweight(q.t().contiguous()).t().contiguous()  # [N, K/8] along K
+        layer.w4 = W4A16Weights(qweight=packed, scales=s.t().contiguous().to(layer.weight_scale.dtype),
+                                zeros=z.t().contiguous().to(torch.uint8), group_size=gs)
+        self.release(layer, ("weight_packed", "weight_scale", "weight_zero_point"))
+
+    def apply(self, layer, x):
+        if not x.is_cuda:
+            return super().apply(layer, x)
+        return _w4a16_apply(layer, x)
+
+
+@dataclass
+class CTFloat8Method(LinearMethod):
+    """compressed-tensors float-quantized FP8 weights (block, channel or tensor scales)."""
+
+    strategy: str = "block"  # "block" | "channel" | "tensor"
+    block: int = formats.FP8_BLOCK
+    name = "ct_fp8"
+
+    def create_weights(self, layer, in_features, out_features):
+        n, k = out_features, in_features
+        layer.weight = _meta((n, k), torch.float8_e4m3fn)
+        shape = {"block": formats.fp8_block_shape(n, k, self.block), "channel": (n, 1), "tensor": (1,)}
+        layer.weight_scale = _meta(shape[self.strategy], torch.float32)
+
+    def dequantized_weight(self, layer, dtype):
+        if self.strategy == "block":
+            return formats.dequantize_fp8_block(layer.weight, layer.weight_scale, dtype, self.block)
+        scale = layer.weight_scale.to(torch.float32).reshape(-1, 1)  # [N or 1, 1]
+        return (layer.weight.to(torch.float32) * scale).to(dtype)
+
+    def process_weights_after_loading(self, layer):
+        if layer.weight.device.type != "cuda":
+            return super().process_weights_after_loading(layer)
+        n, k = layer.weight.shape
+        if self.strategy == "block":
+            layer.scale_inv = layer.weight_scale.to(torch.float32).contiguous()
+            layer.out_scale = None
+        else:
+            # per-row scales commute with the GEMM: y = (x @ weight^T) * scale[n]
+            layer.scale_inv = torch.ones(formats.fp8_block_shape(n, k), dtype=torch.float32, device="cuda")
+            layer.out_scale = layer.weight_scale.to(torch.float32).reshape(-1)  # [N] or [1]
+
+    def apply(self, layer, x):
+        if not x.is_cuda:
+            return super().apply(layer, x)
+        from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
+
+        y = fp8_block_linear(x, layer.weight, layer.scale_inv)
+        if layer.out_scale is not None:
+            y = (y.float() * layer.out_scale).to(x.dtype)
+        return y if layer.bias is None else y + layer.bias
+
+
+def ct_method(weights: dict, fmt: str | None) -> LinearMethod:
+    """The method for one config group's `weights` args (and the group's or config's format)."""
+    from dsquant.errors import ConfigError
+
+    kind, bits = weights.get("type", "int"), weights.get("num_bits")
+    strategy = weights.get("strategy", "group")
+    if kind == "float" and bits == 8:
+        if strategy == "block":
+            block = (weights.get("block_structure") or [128, 128])
+            if list(block) != [128, 128]:
+                raise ConfigError(f"compressed-tensors FP8 block_structure {block} is not supported "
+                                  "(expected [128, 128])")
+        elif strategy not in ("channel", "tensor"):
+            raise ConfigError(f"compressed-tensors FP8 strategy {strategy!r} is not supported")
+        return CTFloat8Method(strategy=strategy)
+    if kind == "int" and bits == 4:
+        if fmt not in (None, "pack-quantized", "mixed-precision"):
+            raise ConfigError(f"compressed-tensors int4 format {fmt!r} is not supported "
+                              "(expected pack-quantized)")
+        if strategy not in ("group", "channel"):
+            raise ConfigError(f"compressed-tensors int4 strategy {strategy!r} is not supported")
+        if weights.get("actorder") not in (None, False, "static"):
+            raise ConfigError(f"compressed-tensors int4 actorder {weights.get('actorder')!r} is not supported")
+        group = weights.get("group_size") or 0 if strategy == "group" else 0
+        return CTPackedInt4Method(group_size=group, symmetric=bool(weights.get("symmetric", True)))
+    raise ConfigError(f"compressed-tensors weights {kind} {bits}-bit are not supported "
+                      "(expected int 4-bit or float 8-bit)")

@@ -1,0 +1,170 @@
+"""Quantized-linear method objects: one per weight format, each owning a layer's weights.
+
+A method's life cycle (the vLLM split, style.md):
+  create_weights(layer, in_features K, out_features N)   parameters on the meta device, with the
+                                                          checkpoint's own names and dtypes
+  process_weights_after_loading(layer)                    CUDA: repack into the kernel's layout;
+                                                          CPU: cache the dequantized weight
+  apply(layer, x [..., K]) -> y [..., N]                  CUDA: the Triton kernel; CPU: torch matmul
+  dequantized_weight(layer, dtype) -> [N, K]              the dense weight (tests, absorbed MLA)
+
+Kernel modules are imported inside the CUDA branches only, so the CPU path never touches Triton.
+Compressed-tensors methods live in compressed_tensors.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsquant import formats
+
+
+def _meta(shape, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+class LinearMethod:
+    """Base: dense-from-dequant CPU path shared by every scheme."""
+
+    name = "base"
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        raise NotImplementedError
+
+    def dequantized_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # CPU: dequantize once, in the activation dtype (the dtype of the layer's bias or the model's)
+        layer.cpu_weight = self.dequantized_weight(layer, layer.compute_dtype)  # [N, K]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.cpu_weight.to(x.dtype), layer.bias)
+
+    def release(self, layer: nn.Module, names: tuple[str, ...]) -> None:
+        """Drop checkpoint tensors a repacked layout replaced (they would double the memory)."""
+        for n in names:
+            layer._parameters.pop(n, None)
+
+
+class DenseMethod(LinearMethod):
+    """bf16/fp16/fp32 weight [N, K]: torch.matmul (cuBLAS on CUDA)."""
+
+    name = "dense"
+
+    def create_weights(self, layer, in_features, out_features):
+        layer.weight = _meta((out_features, in_features), torch.float32)  # float: cast at load
+
+    def dequantized_weight(self, layer, dtype):
+        return layer.weight.to(dtype)
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight, layer.bias)
+
+
+@dataclass
+class AWQMethod(LinearMethod):
+    """AutoAWQ "gemm": qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N]."""
+
+    group_size: int = 128
+    name = "awq"
+
+    def create_weights(self, layer, in_features, out_features):
+        k, n, g = in_features, out_features, self.group_size
+        layer.qweight = _meta((k, n // 8), torch.int32)
+        layer.qzeros = _meta((k // g, n // 8), torch.int32)
+        layer.scales = _meta((k // g, n), torch.float16)  # any float dtype is kept as stored
+
+    def dequantized_weight(self, layer, dtype):
+        return formats.dequantize_awq(layer.qweight, layer.qzeros, layer.scales, self.group_size, dtype)
+
+    def process_weights_after_loading(self, layer):
+        if layer.qweight.device.type != "cuda":
+            return super().process_weights_after_loading(layer)
+        from dsquant.runtime.kernels.w4a16_repack import repack_awq
+
+        layer.w4 = repack_awq(layer.qweight, layer.qzeros, layer.scales, self.group_size)
+        self.release(layer, ("qweight", "qzeros", "scales"))
+
+    def apply(self, layer, x):
+        if not x.is_cuda:
+            return super().apply(layer, x)
+        return _w4a16_apply(layer, x)
+
+
+def _w4a16_apply(layer, x: torch.Tensor) -> torch.Tensor:
+    from dsquant.runtime.kernels.w4a16_gemm import w4a16_linear
+
+    y = w4a16_linear(x, layer.w4)  # [..., N] in x's dtype
+    return y if layer.bias is None else y + layer.bias
+
+
+@dataclass
+class GPTQMethod(LinearMethod):
+    """GPTQ v1: qweight int32 [K/8, N], qzeros [K/G, N/8] (z - 1), scales [K/G, N], g_idx [K].
+
+    Act-order (desc_act) checkpoints carry a permuted g_idx; the number of groups is then
+    still ceil(K / G).
+    """
+
+    group_size: int = 128
+    name = "gptq"
+
+    def create_weights(self, layer, in_features, out_features):
+        k, n = in_features, out_features
+        groups = -(-k // self.group_size) if self.group_size > 0 else 1
+        layer.qweight = _meta((k // 8, n), torch.int32)
+        layer.qzeros = _meta((groups, n // 8), torch.int32)
+        layer.scales = _meta((groups, n), torch.float16)
+        layer.g_idx = _meta((k,), torch.int32)
+
+    def dequantized_weight(self, layer, dtype):
+        return formats.dequantize_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, dtype)
+
+    def process_weights_after_loading(self, layer):
+        if layer.qweight.device.type != "cuda":
+            return super().process_weights_after_loading(layer)
+        from dsquant.runtime.kernels.w4a16_repack import repack_gptq
+
+        layer.w4 = repack_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx)
+        self.release(layer, ("qweight", "qzeros", "scales", "g_idx"))
+
+    def apply(self, layer, x):
+        if not x.is_cuda:
+            return super().apply(layer, x)
+        return _w4a16_apply(layer, x)
+
+
+@dataclass
+class FP8BlockMethod(LinearMethod):
+    """DeepSeek-V3 FP8: weight e4m3 [N, K], weight_scale_inv fp32 [ceil(N/128), ceil(K/128)]."""
+
+    block: int = formats.FP8_BLOCK
+    name = "fp8_block"
+
+    def create_weights(self, layer, in_features, out_features):
+        layer.weight = _meta((out_features, in_features), torch.float8_e4m3fn)
+        layer.weight_scale_inv = _meta(formats.fp8_block_shape(out_features, in_features, self.block),
+                                       torch.float32)
+
+    def dequantized_weight(self, layer, dtype):
+        return formats.dequantize_fp8_block(layer.weight, layer.weight_scale_inv, dtype, self.block)
+
+    def process_weights_after_loading(self, layer):
+        if layer.weight.device.type != "cuda":
+            return super().process_weights_after_loading(layer)
+        layer.weight_scale_inv.data = layer.weight_scale_inv.data.to(torch.float32).contiguous()
+
+    def apply(self, layer, x):
+        if not x.is_cuda:
+            return super().apply(layer, x)
+        from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
+
+        y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv)  # [..., N]
+        return y if layer.bias is None else y + layer.bias

@@ -1,0 +1,127 @@
+"""Load a checkpoint or dsquant artifact for serving: checksums, quantized linears, repacking.
+
+1. If the directory has a dsquant.json manifest with a "shards" map {filename: sha256}, every
+   listed shard is hashed and a mismatch is refused, naming the shard.
+2. The model is built with a LinearFactory (one method object per Linear, chosen from
+   quantization_config) and the runtime's attention and MoE backends.
+3. Layer by layer: float tensors of plain modules load through models.loader (cast to the model
+   dtype, dequantized when a dense module meets a quantized tensor); a QuantLinear's own tensors
+   are copied as stored (int32 codes, fp8, fp32 / fp16 scales); then each method repacks its
+   weights for the kernels (CUDA) or caches a dequantized copy (CPU).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from dsquant.config import load_config
+from dsquant.errors import CheckpointError
+from dsquant.models.causal_lm import CausalLM
+from dsquant.models.checkpoint import CheckpointReader, layer_of
+from dsquant.models.layers import Backends
+from dsquant.models.loader import FLOAT_DTYPES, WeightSource, check_unexpected, default_dtype, load_tensors
+from dsquant.runtime.layers.linear import LinearFactory, QuantLinear
+
+MANIFEST = "dsquant.json"
+
+
+def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_manifest(model_dir: str | Path) -> int:
+    """Check the shards listed in dsquant.json against their sha256; return how many were checked."""
+    root = Path(model_dir)
+    path = root / MANIFEST
+    if not path.is_file():
+        return 0
+    try:
+        shards = json.loads(path.read_text()).get("shards") or {}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a valid JSON manifest ({e})") from None
+    for name, expected in sorted(shards.items()):
+        shard = root / name
+        if not shard.is_file():
+            raise CheckpointError(f"{shard}: shard listed in {MANIFEST} is missing")
+        found = sha256_of(shard)
+        if found != str(expected).lower():
+            raise CheckpointError(f"{shard}: sha256 {found[:16]}... disagrees with {MANIFEST} "
+                                  f"({str(expected)[:16]}...); the shard is corrupt or was changed")
+    return len(shards)
+
+
+def _load_quant_params(module: QuantLinear, prefix: str, source: WeightSource, device, dtype) -> None:
+    reader = source.reader
+    module.compute_dtype = dtype
+    for attr, meta in list(module.named_parameters(recurse=False)):
+        key = f"{prefix}.{attr}"
+        if key not in reader:
+            raise CheckpointError(f"{reader.root}: tensor {key!r} is missing; {module.method.name} "
+                                  f"weights need it (shape {tuple(meta.shape)})")
+        src = source._take(key)
+        if attr != "weight_shape" and tuple(src.shape) != tuple(meta.shape):
+            raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has shape {tuple(src.shape)}, "
+                                  f"expected {tuple(meta.shape)} for {module.method.name}")
+        floaty = meta.dtype in FLOAT_DTYPES
+        if floaty and src.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has dtype {src.dtype}, "
+                                  "expected a float dtype")
+        if not floaty and src.dtype.is_floating_point != meta.dtype.is_floating_point:
+            raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has dtype {src.dtype}, "
+                                  f"expected {meta.dtype}")
+        if attr == "bias":
+            src = src.to(dtype)
+        elif src.dtype == torch.int64 and meta.dtype == torch.int32:
+            src = src.to(torch.int32)
+        module._parameters[attr] = torch.nn.Parameter(src.to(device), requires_grad=False)
+
+
+def load_layer_quantized(model: CausalLM, source: WeightSource, layer: int | None, device, dtype,
+                         prepare=None) -> None:
+    """Materialise one decoder layer (None: embeddings, norm, lm_head) and process its linears."""
+    quant: dict[str, QuantLinear] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear) and layer_of(name) == layer and mod.method.name != "dense":
+            quant[name] = mod
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    plain = [n for n in names if layer_of(n) == layer and n.rpartition(".")[0] not in quant]
+    load_tensors(model, source, plain, device, dtype)
+    for prefix, mod in quant.items():
+        _load_quant_params(mod, prefix, source, device, dtype)
+    if prepare is not None and layer is not None:
+        prepare(model.model.layers[layer])  # e.g. stack MoE experts before per-linear repacking
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear) and layer_of(name) == layer:
+            mod.compute_dtype = dtype
+            if next(mod.parameters(recurse=False), None) is not None:  # not taken by `prepare`
+                mod.method.process_weights_after_loading(mod)
+
+
+def load_runtime_model(path: str | Path, backends: Backends, dtype: torch.dtype | None = None,
+                       device: str | torch.device = "cpu", verify: bool = True,
+                       prepare_layer=None) -> CausalLM:
+    """The whole model on `device`, every Linear a QuantLinear of its checkpoint's format."""
+    if verify:
+        verify_manifest(path)
+    cfg = load_config(path)
+    reader = CheckpointReader(path)
+    factory = LinearFactory(cfg.quantization_config, reader)
+    backends = Backends(linear=factory, attention=backends.attention, moe=backends.moe, extra=backends.extra)
+    model = CausalLM(cfg, backends)
+    source = WeightSource(reader, cfg)
+    dtype = dtype or default_dtype(cfg)
+    with torch.no_grad():
+        load_layer_quantized(model, source, None, device, dtype)
+        for i in range(cfg.num_hidden_layers):
+            load_layer_quantized(model, source, i, device, dtype, prepare_layer)
+    check_unexpected(model, source)
+    model.linear_methods = dict(factory.method_counts)
+    return model.eval()
