@@ -1,0 +1,159 @@
+"""Quantized-linear methods on CPU: apply(x) equals x @ W^T for the weight each format encodes,
+with W built here from the integer codes / fp8 values and scales, independently of the method."""
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+from dsquant import formats
+from dsquant.runtime.layers.compressed_tensors import CTFloat8Method, CTPackedInt4Method
+from dsquant.runtime.layers.linear import LinearFactory, QuantLinear
+from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod
+
+N, K, G = 48, 128, 32
+
+
+def fill(layer: QuantLinear, tensors: dict) -> QuantLinear:
+    for name, t in tensors.items():
+        meta = layer._parameters[name]
+        assert tuple(meta.shape) == tuple(t.shape), name
+        layer._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
+    layer.compute_dtype = torch.float32
+    layer.method.process_weights_after_loading(layer)
+    return layer
+
+
+def codes(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=g)  # [N, K] unsigned codes
+    z = torch.randint(1, 16, (N, K // G), generator=g)  # [N, G]
+    s = (torch.rand(N, K // G, generator=g) * 0.05 + 0.01).half().float()  # fp16-exact scales
+    return q, z, s
+
+
+def grouped_weight(q, z, s, g_idx):
+    return (q - z[:, g_idx]).float() * s[:, g_idx]  # [N, K]
+
+
+def check(layer, w_ref):
+    x = torch.randn(5, K)
+    torch.testing.assert_close(layer(x), x @ w_ref.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.method.dequantized_weight(layer, torch.float32), w_ref)
+
+
+def test_awq():
+    q, z, s = codes()
+    layer = QuantLinear(AWQMethod(group_size=G), "m", K, N, False)
+    fill(layer, {"qweight": formats.pack_awq(q.t()), "qzeros": formats.pack_awq(z.t()),
+                 "scales": s.t().contiguous().half()})
+    check(layer, grouped_weight(q, z, s, torch.arange(K) // G))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq(act_order):
+    q, z, s = codes(1)
+    g_idx = torch.arange(K) // G
+    if act_order:  # desc_act: channels visited in a random order, groups follow that order
+        perm = torch.randperm(K, generator=torch.Generator().manual_seed(2))
+        g_idx = torch.empty(K, dtype=torch.long)
+        g_idx[perm] = torch.arange(K) // G
+    layer = QuantLinear(GPTQMethod(group_size=G), "m", K, N, True)
+    bias = torch.randn(N)
+    fill(layer, {"qweight": formats.pack_gptq_qweight(q.t()), "qzeros": formats.pack_gptq_qzeros(z.t()),
+                 "scales": s.t().contiguous().half(), "g_idx": g_idx.to(torch.int32), "bias": bias})
+    x = torch.randn(3, K)
+    torch.testing.assert_close(layer(x), x @ grouped_weight(q, z, s, g_idx).t() + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_block_with_partial_blocks():
+    n, k = 200, 300
+    w = torch.randn(n, k)
+    fp8, scale_inv = formats.quantize_fp8_block(w)
+    layer = QuantLinear(FP8BlockMethod(), "m", k, n, False)
+    fill(layer, {"weight": fp8, "weight_scale_inv": scale_inv})
+    per_elem = scale_inv.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    x = torch.randn(4, k)
+    torch.testing.assert_close(layer(x), x @ (fp8.float() * per_elem).t(), rtol=1e-5, atol=1e-4)
+    exact = x @ w.t()  # and the fp8 weight stays close to the original (e4m3: 3 mantissa bits)
+    assert (layer(x) - exact).norm() < 0.05 * exact.norm()
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_compressed_tensors_pack_quantized(symmetric):
+    q, z, s = codes(3)
+    if symmetric:
+        z = torch.full_like(z, 8)
+    layer = QuantLinear(CTPackedInt4Method(group_size=G, symmetric=symmetric), "m", K, N, False)
+    tensors = {"weight_packed": pack_to_int32((q - 8).to(torch.int8), 4),
+               "weight_scale": s.bfloat16().float().to(torch.bfloat16),
+               "weight_shape": torch.tensor([N, K])}
+    if not symmetric:
+        tensors["weight_zero_point"] = pack_to_int32((z - 8).to(torch.int8), 4, packed_dim=0)
+    fill(layer, tensors)
+    check(layer, grouped_weight(q, z, s.bfloat16().float(), torch.arange(K) // G))
+
+
+@pytest.mark.parametrize("strategy", ["block", "channel", "tensor"])
+def test_compressed_tensors_float_quantized(strategy):
+    w = torch.randn(N, K)
+    layer = QuantLinear(CTFloat8Method(strategy=strategy), "m", K, N, False)
+    if strategy == "block":
+        fp8, scale = formats.quantize_fp8_block(w)
+        w_ref = fp8.float() * scale.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+    else:
+        amax = w.abs().amax(1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+        scale = amax / 448
+        fp8 = (w / scale.reshape(-1, 1)).to(torch.float8_e4m3fn)
+        w_ref = fp8.float() * scale.reshape(-1, 1)
+    fill(layer, {"weight": fp8, "weight_scale": scale})
+    check(layer, w_ref)
+
+
+def test_dense():
+    w = torch.randn(N, K)
+    layer = QuantLinear(DenseMethod(), "m", K, N, False)
+    fill(layer, {"weight": w})
+    check(layer, w)
+
+
+class FakeReader:
+    def __init__(self, keys):
+        self.keys = set(keys)
+
+    def __contains__(self, key):
+        return key in self.keys
+
+
+def test_factory_picks_methods_from_quantization_config():
+    awq = LinearFactory({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm",
+                         "modules_to_not_convert": ["self_attn.kv_b_proj"]})
+    assert awq.scheme_for("model.layers.0.mlp.down_proj").name == "awq"
+    assert awq.scheme_for("model.layers.0.mlp.down_proj").group_size == 64
+    assert awq.scheme_for("model.layers.3.self_attn.kv_b_proj").name == "dense"
+    assert awq.scheme_for("lm_head").name == "dense"
+    ct = LinearFactory({"quant_method": "compressed-tensors", "ignore": ["lm_head", "model.layers.0.mlp.down_proj"],
+                        "config_groups": {
+                            "g0": {"targets": [r"re:^model\.layers\.\d+\.self_attn\..*$"], "format": "float-quantized",
+                                   "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                               "block_structure": [128, 128]}},
+                            "g1": {"targets": ["Linear"], "format": "pack-quantized",
+                                   "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                                               "symmetric": False}}}})
+    assert ct.scheme_for("model.layers.1.self_attn.q_proj").name == "ct_fp8"
+    assert ct.scheme_for("model.layers.1.mlp.experts.3.up_proj").name == "ct_int4"
+    assert ct.scheme_for("model.layers.0.mlp.down_proj").name == "dense"
+    assert ct.scheme_for("lm_head").name == "dense"
+    # native DeepSeek-V3 FP8: modules without weight_scale_inv in the checkpoint load dense
+    fp8 = LinearFactory({"quant_method": "fp8", "weight_block_size": [128, 128]},
+                        FakeReader({"model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight_scale_inv",
+                                    "model.layers.0.mlp.gate_proj.weight"}))
+    assert fp8("model.layers.0.mlp.up_proj", 64, 64, False).method.name == "fp8_block"
+    assert fp8("model.layers.0.mlp.gate_proj", 64, 64, False).method.name == "dense"
+
+
+def test_factory_refuses_unknown_schemes():
+    from dsquant.errors import ConfigError
+
+    for q in ({"quant_method": "bitsandbytes"}, {"quant_method": "awq", "bits": 3},
+              {"quant_method": "awq", "version": "gemv"}, {"quant_method": "fp8", "weight_block_size": [64, 64]}):
+        with pytest.raises(ConfigError):
+            LinearFactory(q)

@@ -1,0 +1,132 @@
+"""Quantized checkpoints load through the runtime's methods and give the same greedy tokens as a
+dense checkpoint holding the weights they encode; a shard that disagrees with dsquant.json is refused."""
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+from safetensors.torch import load_file, save_file
+
+from dsquant import formats
+from dsquant.errors import CheckpointError
+from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
+from dsquant.runtime.engine.sequence import SamplingParams
+
+from conftest import random_prompts
+
+G = 32
+
+
+def is_linear(name: str, t: torch.Tensor) -> bool:
+    return (name.endswith(".weight") and t.ndim == 2 and "embed_tokens" not in name
+            and not name.startswith("lm_head") and not name.endswith("mlp.gate.weight"))
+
+
+def encode(scheme: str, name: str, w: torch.Tensor, seed: int):
+    """-> (tensors to store for module `name`, the dense [N, K] weight they encode)."""
+    mod = name[: -len(".weight")]
+    if scheme == "awq":
+        q, s, z = formats.quantize_int_groupwise(w, G)
+        qw, qz, sc = formats.to_awq_tensors(q, s, z)
+        return ({f"{mod}.qweight": qw, f"{mod}.qzeros": qz, f"{mod}.scales": sc},
+                formats.dequantize_awq(qw, qz, sc, G))
+    if scheme == "gptq":  # act-order: groups follow a random visiting order of the input channels
+        k = w.shape[1]
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+        inv = torch.argsort(perm)
+        q, s, z = formats.quantize_int_groupwise(w[:, perm], G)
+        g_idx = (inv // G).to(torch.int32)
+        qw, qz = formats.pack_gptq_qweight(q[:, inv].t()), formats.pack_gptq_qzeros(z.t())
+        sc = s.t().contiguous().half()
+        return ({f"{mod}.qweight": qw, f"{mod}.qzeros": qz, f"{mod}.scales": sc, f"{mod}.g_idx": g_idx},
+                formats.dequantize_gptq(qw, qz, sc, g_idx))
+    if scheme == "fp8" or (scheme == "ct" and ".self_attn." in name):
+        fp8, sinv = formats.quantize_fp8_block(w)
+        key = "weight_scale" if scheme == "ct" else "weight_scale_inv"
+        return {f"{mod}.weight": fp8, f"{mod}.{key}": sinv}, formats.dequantize_fp8_block(fp8, sinv)
+    q, s, z = formats.quantize_int_groupwise(w, G)  # compressed-tensors pack-quantized int4
+    s = s.bfloat16()
+    tensors = {f"{mod}.weight_packed": pack_to_int32((q - 8).to(torch.int8), 4), f"{mod}.weight_scale": s,
+               f"{mod}.weight_zero_point": pack_to_int32((z - 8).to(torch.int8), 4, packed_dim=0),
+               f"{mod}.weight_shape": torch.tensor(list(w.shape))}
+    return tensors, formats.dequantize_int_groupwise(q, s.float(), z, G)
+
+
+QCONFIG = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True, "version": "gemm",
+            "modules_to_not_convert": None},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": True, "sym": False},
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "ct": {"quant_method": "compressed-tensors", "format": "mixed-precision", "ignore": ["lm_head"],
+           "config_groups": {
+               "group_0": {"targets": [r"re:^model\.layers\.\d+\.self_attn\..*$"], "format": "float-quantized",
+                           "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                                       "block_structure": [128, 128]}},
+               "group_1": {"targets": [r"re:^model\.layers\.\d+\.mlp\..*$"], "format": "pack-quantized",
+                           "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                                       "group_size": G}}}},
+}
+
+
+def write_pair(src, tmp_path, scheme: str):
+    """Quantized checkpoint + dense checkpoint of the same (dequantized) weights."""
+    state = load_file(src / "model.safetensors")
+    quant, dense = {}, {}
+    for i, (name, t) in enumerate(sorted(state.items())):
+        if is_linear(name, t):
+            stored, w = encode(scheme, name, t.float(), i)
+            quant.update(stored)
+            dense[name] = w.float().contiguous()
+        else:
+            quant[name] = dense[name] = t
+    cfg = json.loads((src / "config.json").read_text())
+    out = {}
+    for kind, tensors, qcfg in (("quant", quant, QCONFIG[scheme]), ("dense", dense, None)):
+        d = tmp_path / kind
+        d.mkdir()
+        save_file({k: v.contiguous() for k, v in tensors.items()}, d / "model.safetensors")
+        (d / "config.json").write_text(json.dumps({**cfg, **({"quantization_config": qcfg} if qcfg else {})}))
+        out[kind] = d
+    return out["quant"], out["dense"]
+
+
+def greedy(path, prompts):
+    eng = LLMEngine(path, EngineConfig(device="cpu", dtype=torch.float32, block_size=4, num_blocks=64,
+                                       max_model_len=128))
+    methods = dict(eng.model.linear_methods)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)) for p in prompts]
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    return [done[i] for i in ids], methods
+
+
+@pytest.mark.parametrize("scheme,family,expected", [
+    ("awq", "deepseek_v2", {"awq"}), ("gptq", "llama", {"gptq"}), ("fp8", "deepseek_v3", {"fp8_block"}),
+    ("ct", "deepseek_v2", {"ct_fp8", "ct_int4"})])
+def test_quantized_checkpoint_matches_its_dense_twin(scheme, family, expected, tiny_models, tmp_path):
+    _, src = tiny_models[family]
+    quant, dense = write_pair(src, tmp_path, scheme)
+    prompts = random_prompts(2, [9, 14], seed=8)
+    q_tokens, methods = greedy(quant, prompts)
+    d_tokens, _ = greedy(dense, prompts)
+    assert q_tokens == d_tokens
+    assert set(methods) - {"dense"} == expected
+    assert methods["dense"] == 1  # lm_head only
+
+
+def test_manifest_checksum_mismatch_is_refused(tiny_models, tmp_path):
+    _, src = tiny_models["qwen2"]
+    art = tmp_path / "artifact"
+    shutil.copytree(src, art)
+    shard = art / "model.safetensors"
+    digest = hashlib.sha256(shard.read_bytes()).hexdigest()
+    (art / "dsquant.json").write_text(json.dumps({"shards": {"model.safetensors": digest}}))
+    greedy(art, [[1, 2, 3]])  # loads while the checksum agrees
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # flip one bit in the last tensor's data
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        greedy(art, [[1, 2, 3]])
