@@ -76,7 +76,18 @@ def _weights(k, n, group, seed):
     return dict(w=w, int4=int4, w_int4=w_int4, tg=tg, fp8=(wq, ws), w_fp8=w_fp8)
 
 
-def _methods(wts, x, group):
+def load_configs(path):
+    """Sweep output (scripts/gemm_sweep.py JSON) -> {(kind, m_bucket, n, k): GemmConfig}."""
+    import json
+
+    from dsquant.runtime.kernels.gemm_configs import GemmConfig
+
+    with open(path) as f:
+        best = json.load(f)["best"]
+    return {tuple(b["key"]): GemmConfig(**b["cfg"]) for b in best}
+
+
+def _methods(wts, x, group, configs=None):
     """name -> (fn, weight bytes, dense fp32 weight the method computes with)."""
     import torch
 
@@ -84,7 +95,13 @@ def _methods(wts, x, group):
     from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8
     from dsquant.runtime.kernels.w4a16_gemm import w4a16_linear
 
+    from dsquant.runtime.kernels.gemm_configs import m_bucket
+
     w, int4, (tg_packed, tg_qparams), (wq, ws) = wts["w"], wts["int4"], wts["tg"], wts["fp8"]
+    m, k = x.shape
+    n = w.shape[0]
+    cfg_w4 = (configs or {}).get(("w4a16", m_bucket(m), n, k))  # None: gemm_configs' own choice
+    cfg_f8 = (configs or {}).get(("fp8", m_bucket(m), n, k))
     xq, xs = per_token_group_quant_fp8(x, column_major_scales=True)
     counters = torch.zeros(8192, dtype=torch.int32, device="cuda")
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
@@ -99,13 +116,13 @@ def _methods(wts, x, group):
         "scaled_mm": (lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(),
                                                out_dtype=torch.bfloat16),
                       nbytes(wq, ws), wts["w_fp8"]),
-        "w4a16": (lambda: w4a16_linear(x, int4), int4.nbytes(), wts["w_int4"]),
-        "fp8": (lambda: fp8_block_linear(x, wq, ws, splitk_counters=counters), nbytes(wq, ws),
+        "w4a16": (lambda: w4a16_linear(x, int4, cfg_w4), int4.nbytes(), wts["w_int4"]),
+        "fp8": (lambda: fp8_block_linear(x, wq, ws, config=cfg_f8, splitk_counters=counters), nbytes(wq, ws),
                 wts["w_fp8"]),
     }
 
 
-def run_shape(k, n, m_values, group, rep_ms, seed=0) -> list[GemmRow]:
+def run_shape(k, n, m_values, group, rep_ms, seed=0, configs=None) -> list[GemmRow]:
     import torch
 
     wts = _weights(k, n, group, seed)
@@ -113,7 +130,7 @@ def run_shape(k, n, m_values, group, rep_ms, seed=0) -> list[GemmRow]:
     for m in m_values:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         base = {}
-        for name, (fn, wbytes, dense) in _methods(wts, x, group).items():
+        for name, (fn, wbytes, dense) in _methods(wts, x, group, configs).items():
             try:
                 y = fn()
             except RuntimeError as e:  # cuBLAS's blockwise path refuses some shapes
@@ -192,7 +209,9 @@ def markdown_table(rows) -> str:
 @click.option("--m", "m_list", default=M_VALUES, show_default=True, help="Comma-separated token counts.")
 @click.option("--group-size", default=128, show_default=True, type=click.Choice(["32", "64", "128"]))
 @click.option("--rep-ms", default=50, show_default=True, help="Timing window per measurement.")
-def gemm(json_path, shapes, m_list, group_size, rep_ms) -> None:
+@click.option("--configs", "configs_path", type=click.Path(exists=True, dir_okay=False),
+              help="Use these configs (scripts/gemm_sweep.py output) instead of gemm_configs' table.")
+def gemm(json_path, shapes, m_list, group_size, rep_ms, configs_path) -> None:
     """W4A16 and FP8 block GEMM vs cuBLAS bf16, tinygemm int4 and blockwise _scaled_mm (GPU)."""
     import torch
 
@@ -206,9 +225,10 @@ def gemm(json_path, shapes, m_list, group_size, rep_ms) -> None:
     except ValueError:
         raise DsquantError(f"--shapes must look like 7168x4096,2048x2816 and --m like 1,16; got "
                            f"{shapes!r} and {m_list!r}") from None
+    configs = load_configs(configs_path) if configs_path else None
     rows = []
     for k, n in dims:
-        rows += run_shape(k, n, ms, int(group_size), rep_ms)
+        rows += run_shape(k, n, ms, int(group_size), rep_ms, configs=configs)
         for r in rows[-len(ms) * len(METHODS):]:
             g = "refused" if r.graph_us is None else f"{r.graph_us:9.1f} us  x{r.speedup_graph:5.2f}"
             click.echo(f"{k:5d}x{n:<6d} M={r.m:<5d} {r.method:10s} {g}  err {r.rel_err}")

@@ -146,12 +146,12 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         (a, a_s), mode = per_token_group_quant_fp8(x2, FP8_BLOCK), 0
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = min(cfg.split_k, triton.cdiv(k, FP8_BLOCK))
-    part, counters = out, out  # unused when split == 1
-    if split > 1:
-        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        counters = splitk_counters
-        if counters is None or counters.numel() < tiles:
-            counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    part = torch.empty(split if split > 1 else 1, m if split > 1 else 1, n, dtype=torch.float32,
+                       device=x.device)  # [split, M, N] partial sums (a stub when split == 1)
+    counters = splitk_counters
+    if counters is None or counters.numel() < tiles:
+        counters = (torch.zeros(tiles, dtype=torch.int32, device=x.device) if split > 1
+                    else torch.empty(1, dtype=torch.int32, device=x.device))
     _fp8_block_gemm_kernel[(tiles, split)](
         a, a_s, weight, weight_scale_inv, out, part, counters, m, n, k,
         a.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), weight_scale_inv.stride(0),

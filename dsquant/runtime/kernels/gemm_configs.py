@@ -70,14 +70,13 @@ def w4a16_config(m: int, n: int, k: int, group_size: int, device=None) -> GemmCo
     if tuned is not None:
         return tuned
     if m <= DECODE_MAX_M:
-        bm = m_bucket(m)
-        bn = 128 if n >= 4096 else 64
+        bn, warps = (128, 8) if n >= 4096 else (64, 4)
         tiles = -(-n // bn)
         split = pick_split_k(tiles, k // group_size, device_sms(device), min_chunks=max(2, 256 // group_size))
-        return GemmConfig(bm, bn, split, 4, 4)
+        return GemmConfig(m_bucket(m), bn, split, warps, 4)
     if m >= 1024:
         return GemmConfig(128, 128, 1, 8, 3, path="dequant")
-    return GemmConfig(64, 128, 1, 4, 3)
+    return GemmConfig(64, 128, 1, 8, 3)
 
 
 def fp8_config(m: int, n: int, k: int, device=None) -> GemmConfig:
@@ -85,11 +84,10 @@ def fp8_config(m: int, n: int, k: int, device=None) -> GemmConfig:
     if tuned is not None:
         return tuned
     if m <= DECODE_MAX_M:
-        bm = m_bucket(m)
-        bn = 128 if n >= 4096 else 64
+        bn, warps = (128, 8) if n >= 4096 else (64, 4)
         tiles = -(-n // bn)
         split = pick_split_k(tiles, -(-k // 128), device_sms(device))
-        return GemmConfig(bm, bn, split, 4, 4)
+        return GemmConfig(m_bucket(m), bn, split, warps, 4)
     if m >= 1024:
         return GemmConfig(128, 128, 1, 8, 3)
-    return GemmConfig(64, 128, 1, 4, 3)
+    return GemmConfig(64, 128, 1, 4, 4)

@@ -158,12 +158,11 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weights, config: GemmConfig | None = N
         return out.reshape(*x.shape[:-1], n)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = min(cfg.split_k, k // w.group_size)
-    part, counters = out, out  # unused when split == 1
-    if split > 1:
-        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        counters = w.splitk_counters
-        if counters is None or counters.numel() < tiles:
-            counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    part = torch.empty(split if split > 1 else 1, m if split > 1 else 1, n, dtype=torch.float32,
+                       device=x.device)  # [split, M, N] partial sums (a stub when split == 1)
+    counters = w.splitk_counters
+    if counters is None or (split > 1 and counters.numel() < tiles):
+        counters = torch.zeros(max(tiles, 1), dtype=torch.int32, device=x.device)
     magic, offset = _MAGIC[x.dtype]
     perm = w.perm if w.perm is not None else w.qweight
     _w4a16_gemm_kernel[(tiles, split)](
