@@ -65,7 +65,13 @@ def inspect(model_dir: str, as_json: bool) -> None:
 
 def _register() -> None:
     from dsquant.bench import register as register_bench
+    from dsquant.calibrate.cli_quantize import quantize
 
+    cli.add_command(quantize)
+
+    from dsquant.runtime.cli import generate
+
+    cli.add_command(generate)
     bench = register_bench()
     if bench.commands:
         cli.add_command(bench)

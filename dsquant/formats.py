@@ -39,7 +39,7 @@ def _pack_last_dim(q: torch.Tensor, nibble_of_column) -> torch.Tensor:
     packed = parts[..., 0]
     for j in range(1, 8):
         packed = packed | parts[..., j]
-    return packed
+    return packed.contiguous()
 
 
 def _unpack_last_dim(packed: torch.Tensor, nibble_of_column) -> torch.Tensor:

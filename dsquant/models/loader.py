@@ -52,6 +52,8 @@ class WeightSource:
             t = self._take(key)
             if t.dtype in FP8_DTYPES:
                 scale_key = f"{prefix}.weight_scale_inv"
+                if scale_key not in reader and f"{prefix}.weight_scale" in reader:
+                    scale_key = f"{prefix}.weight_scale"  # compressed-tensors float-quantized
                 if scale_key not in reader:
                     raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} is {t.dtype} but "
                                           f"{scale_key!r} is missing (FP8 block weights need it)")
@@ -60,6 +62,8 @@ class WeightSource:
                 except ValueError as e:
                     raise CheckpointError(f"{reader.file_of(scale_key)}: tensor {scale_key!r}: {e}") from None
             return t
+        if f"{prefix}.weight_packed" in reader:
+            return self._pack_quantized(prefix, dtype)
         if f"{prefix}.qweight" in reader:
             qw, qz, sc = (self._take(f"{prefix}.{n}") for n in ("qweight", "qzeros", "scales"))
             if self.quant_method == "gptq" or f"{prefix}.g_idx" in reader:
@@ -68,6 +72,26 @@ class WeightSource:
                 return formats.dequantize_gptq(qw, qz, sc, g_idx, dtype)
             return formats.dequantize_awq(qw, qz, sc, self.group_size, dtype)
         return None
+
+
+    def _pack_quantized(self, prefix: str, dtype: torch.dtype) -> torch.Tensor:
+        """compressed-tensors pack-quantized INT4 (group strategy) -> dense [N, K]."""
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        packed = self._take(f"{prefix}.weight_packed")
+        scale = self._take(f"{prefix}.weight_scale").to(torch.float32)  # [N, K/G]
+        n, k = packed.shape[0], packed.shape[1] * 8
+        if f"{prefix}.weight_shape" in self.reader:
+            n, k = (int(v) for v in self._take(f"{prefix}.weight_shape"))
+        q = unpack_from_int32(packed, 4, torch.Size([n, k])).to(torch.float32)  # signed codes
+        if f"{prefix}.weight_zero_point" in self.reader:
+            zp = unpack_from_int32(self._take(f"{prefix}.weight_zero_point"), 4,
+                                   torch.Size([n, scale.shape[1]]), packed_dim=0).to(torch.float32)
+        else:
+            zp = torch.zeros_like(scale)
+        g = k // scale.shape[1]
+        w = (q.reshape(n, -1, g) - zp[..., None]) * scale[..., None]
+        return w.reshape(n, k).to(dtype)
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:

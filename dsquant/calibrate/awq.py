@@ -1,0 +1,96 @@
+"""AWQ: activation-aware weight quantization (Lin et al., arXiv 2306.00978), our implementation.
+
+A scaling group is the set of Linears fed by one tensor (a norm's output, or an up_proj's
+output for its down_proj). A per-input-channel scale s is searched on a grid: s = x_mean^a /
+w_mean^(1-a) ("duo scaling": the weight-magnitude term), normalised, for a in [0, 1); each
+member's weight becomes Q(W * s) / s and the loss is the MSE of all members' outputs on their
+captured inputs. The best s is folded exactly: members' weights times s, the producer's
+output divided by s. Then a per-group clip search shrinks each group's range (1 down to
+1 - max_shrink) to minimise that group's output error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsquant.calibrate.quantizers import fake_int, fake_quant
+from dsquant.calibrate.recipe import AWQOptions, SchemeSpec
+
+
+@dataclass
+class Member:
+    """One Linear of a scaling group: its weight [N, K] fp32, scheme and captured inputs [T, K]."""
+
+    name: str
+    weight: torch.Tensor
+    spec: SchemeSpec
+    x: torch.Tensor
+
+
+def _w_mean(members: list[Member]) -> torch.Tensor:
+    """Mean over output rows of |W| normalised by each quantization group's max: [K]."""
+    parts = []
+    for m in members:
+        n, k = m.weight.shape
+        g = m.spec.group_size if m.spec.is_int else k
+        w = m.weight.abs().reshape(n, k // g, g)
+        w = w / w.amax(-1, keepdim=True).clamp(min=1e-8)
+        parts.append(w.reshape(n, k))
+    return torch.cat(parts).mean(0)
+
+
+def _x_mean(members: list[Member]) -> torch.Tensor:
+    xs = torch.cat([m.x for m in members if m.x.numel()])
+    return xs.abs().mean(0)
+
+
+def search_scales(members: list[Member], opts: AWQOptions, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Best per-input-channel scale s [K] for the group (ones if no member is an INT scheme)."""
+    k = members[0].weight.shape[1]
+    device = members[0].weight.device
+    if not any(m.spec.is_int for m in members) or not any(m.x.numel() for m in members):
+        return torch.ones(k, device=device)
+    x_mean = _x_mean(members).clamp(min=1e-6)
+    w_mean = _w_mean(members).clamp(min=1e-6)
+    refs = [m.x @ m.weight.t() for m in members]  # [T_m, N_m]
+    total = sum(r.numel() for r in refs)
+    best, best_loss = torch.ones(k, device=device), float("inf")
+    for i in range(opts.grid):
+        a = i / opts.grid
+        s = x_mean.pow(a) / w_mean.pow(1 - a) if opts.duo_scaling else x_mean.pow(a)
+        s = (s / (s.max() * s.min()).sqrt()).clamp(min=1e-4)
+        loss = 0.0
+        for m, ref in zip(members, refs):
+            if m.x.numel():
+                w_q = fake_quant(m.weight * s, m.spec, scale_dtype) / s
+                loss += float((m.x @ w_q.t() - ref).pow(2).sum())
+        loss /= max(total, 1)
+        if loss < best_loss:
+            best, best_loss = s, loss
+    return best
+
+
+def search_clip(x: torch.Tensor, w: torch.Tensor, spec: SchemeSpec, opts: AWQOptions,
+                scale_dtype: torch.dtype, max_tokens: int = 512) -> torch.Tensor:
+    """Per (output row, group) shrink ratio [N, K/G] minimising that group's output error."""
+    n, k = w.shape
+    g = spec.group_size
+    ratio = torch.ones(n, k // g, device=w.device)
+    if x.numel() == 0:
+        return ratio
+    if x.shape[0] > max_tokens:
+        x = x[torch.linspace(0, x.shape[0] - 1, max_tokens, device=x.device).long()]
+    xg = x.reshape(x.shape[0], k // g, g)  # [T, K/G, G]
+    best = torch.full((n, k // g), float("inf"), device=w.device)
+    for i in range(opts.clip_grid):
+        r = 1 - opts.max_shrink * i / opts.clip_grid
+        diff = (fake_int(w, spec, scale_dtype, clip_ratio=r) - w).reshape(n, k // g, g)
+        err = torch.zeros(n, k // g, device=w.device)
+        for start in range(0, n, 1024):  # bound memory: [T, rows, K/G]
+            d = diff[start:start + 1024]
+            err[start:start + 1024] = torch.einsum("tgj,ngj->tng", xg, d).pow(2).sum(0)
+        better = err < best
+        best = torch.where(better, err, best)
+        ratio = torch.where(better, torch.full_like(ratio, r), ratio)
+    return ratio

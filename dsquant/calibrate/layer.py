@@ -1,0 +1,140 @@
+"""Quantize one decoder layer on its real inputs (the outputs of the already-quantized layers).
+
+1. Capture: run the float layer over the calibration batch with hooks (capture.py).
+2. AWQ scaling groups (MLA: input_layernorm -> q_a_proj/q_proj + kv_a_proj_with_mqa;
+   q_a_layernorm -> q_b_proj; kv_a_layernorm -> kv_b_proj. GQA: input_layernorm -> q/k/v,
+   v_proj -> o_proj when shapes allow. MLP: post_attention_layernorm -> gate/up of every
+   routed and shared expert (the router's columns are scaled too, so routing is unchanged);
+   each up_proj -> its down_proj), then the clip search on INT Linears except query/key ones.
+3. Quantize every Linear with its recipe scheme (AWQ/RTN grid, GPTQ, FP8 block, BF16).
+4. Write the dequantized weights back, so the next forward sees what inference will.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsquant.calibrate import awq
+from dsquant.calibrate.capture import LayerCapture, expert_fallback
+from dsquant.calibrate.gptq import gptq_quantize
+from dsquant.calibrate.quantizers import QuantizedWeight, fp8_block, int_grid, relative_output_error
+from dsquant.calibrate.recipe import Recipe, SchemeSpec
+from dsquant.models.moe import MoE
+
+NO_CLIP = ("q_proj", "k_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+
+
+@dataclass
+class LayerResult:
+    weights: dict[str, QuantizedWeight]  # full module name -> quantized weight
+    errors: dict[str, float]  # full module name -> relative output error
+    fallback_experts: list[int]
+
+
+def _linears(layer: nn.Module, prefix: str) -> dict[str, nn.Linear]:
+    return {f"{prefix}.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+
+
+def scaling_groups(layer: nn.Module, prefix: str):
+    """[(producer module, producer kind, [member full names], passengers)] in layer order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
+    groups = []
+    if hasattr(attn, "kv_a_proj_with_mqa"):  # MLA
+        first = "q_proj" if attn.q_lora_rank is None else "q_a_proj"
+        groups.append((layer.input_layernorm, "norm", [f"{a}.{first}", f"{a}.kv_a_proj_with_mqa"], []))
+        if attn.q_lora_rank is not None:
+            groups.append((attn.q_a_layernorm, "norm", [f"{a}.q_b_proj"], []))
+        groups.append((attn.kv_a_layernorm, "norm", [f"{a}.kv_b_proj"], []))
+    else:
+        groups.append((layer.input_layernorm, "norm", [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], []))
+        if attn.v_proj.weight.shape[0] == attn.o_proj.weight.shape[1]:
+            groups.append((attn.v_proj, "linear", [f"{a}.o_proj"], []))
+    if isinstance(mlp, MoE):
+        experts = [(f"{m}.experts.{i}", e) for i, e in enumerate(mlp.experts)]
+        if mlp.shared_experts is not None:
+            experts.append((f"{m}.shared_experts", mlp.shared_experts))
+        members = [f"{n}.{p}" for n, _ in experts for p in ("gate_proj", "up_proj")]
+        groups.append((layer.post_attention_layernorm, "norm", members, [mlp.gate]))
+        groups += [(e.up_proj, "linear", [f"{n}.down_proj"], []) for n, e in experts]
+    else:
+        groups.append((layer.post_attention_layernorm, "norm", [f"{m}.gate_proj", f"{m}.up_proj"], []))
+        groups.append((mlp.up_proj, "linear", [f"{m}.down_proj"], []))
+    return groups
+
+
+@torch.no_grad()
+def _fold(producer: nn.Module, kind: str, members: list[nn.Linear], passengers: list, s: torch.Tensor):
+    """Exact rescaling: producer output / s, member (and passenger) input columns * s."""
+    if kind == "norm":
+        producer.weight.div_(s.to(producer.weight.dtype))
+    else:
+        producer.weight.div_(s[:, None].to(producer.weight.dtype))
+        if producer.bias is not None:
+            producer.bias.div_(s.to(producer.bias.dtype))
+    for mod in [*members, *passengers]:
+        mod.weight.mul_(s[None, :].to(mod.weight.dtype))
+
+
+def _forward(layer: nn.Module, hidden: torch.Tensor, ctx, batch: int) -> torch.Tensor:
+    """Run the layer over hidden [n, T, H] in batches; returns [n, T, H]."""
+    out = torch.empty_like(hidden)
+    with torch.no_grad():
+        for i in range(0, hidden.shape[0], batch):
+            out[i:i + batch] = layer(hidden[i:i + batch], ctx)
+    return out
+
+
+def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, recipe: Recipe,
+                   scale_dtype: torch.dtype, batch: int = 8) -> LayerResult:
+    """Quantize `layer` in place (weights become their dequantized values)."""
+    linears = _linears(layer, prefix)
+    specs: dict[str, SchemeSpec] = {n: recipe.scheme_for(n) for n in linears}
+    gptq_names = {n for n, s in specs.items() if s.scheme == "gptq"}
+    for n, s in specs.items():
+        if s.is_int and linears[n].weight.shape[1] % s.group_size:
+            from dsquant.errors import ConfigError
+            raise ConfigError(f"recipe {recipe.name}: group_size {s.group_size} does not divide "
+                              f"in_features {linears[n].weight.shape[1]} of {n}")
+    with LayerCapture(layer, prefix, gptq_names, recipe.awq.max_tokens) as data:
+        _forward(layer, hidden, ctx, batch)
+    fallback = []
+    if isinstance(layer.mlp, MoE):
+        fallback = expert_fallback(data, layer.mlp, f"{prefix}.mlp", 32, gptq_names)
+    inputs = {n: data.inputs(n).to(hidden.device) for n in linears}
+
+    if any(s.scheme == "awq" for s in specs.values()):
+        for producer, kind, names, passengers in scaling_groups(layer, prefix):
+            members = [awq.Member(n, linears[n].weight.detach().float(), specs[n], inputs[n]) for n in names]
+            if not any(m.spec.scheme == "awq" for m in members):
+                continue
+            s = awq.search_scales(members, recipe.awq, scale_dtype)
+            _fold(producer, kind, [linears[n] for n in names], passengers, s)
+            for n in names:
+                inputs[n] = inputs[n] / s
+
+    weights, errors = {}, {}
+    for name, lin in linears.items():
+        spec, w = specs[name], lin.weight.detach().to(torch.float32)
+        if spec.scheme in ("awq", "rtn"):
+            ratio = 1.0
+            if spec.scheme == "awq" and recipe.awq.clip and not name.endswith(NO_CLIP):
+                ratio = awq.search_clip(inputs[name], w, spec, recipe.awq, scale_dtype)
+            qw = int_grid(w, spec, scale_dtype, clip_ratio=ratio)
+        elif spec.scheme == "gptq":
+            qw = gptq_quantize(w, data.hessians[name], spec, recipe.gptq, scale_dtype)
+        elif spec.scheme == "fp8_block":
+            qw = fp8_block(w, spec)
+        else:
+            qw = QuantizedWeight(spec, w)
+        errors[name] = relative_output_error(inputs[name], w, qw.dequantized)
+        weights[name] = qw
+        with torch.no_grad():
+            lin.weight.copy_(qw.dequantized.to(lin.weight.dtype))
+    return LayerResult(weights, errors, fallback)
+
+
+def layer_forward(layer: nn.Module, hidden: torch.Tensor, ctx, batch: int = 8) -> torch.Tensor:
+    return _forward(layer, hidden, ctx, batch)

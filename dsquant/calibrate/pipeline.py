@@ -1,0 +1,169 @@
+"""`dsquant quantize`: stream a checkpoint layer by layer through calibration into an artifact.
+
+Only one decoder layer's weights are materialised at a time (host and device); the calibration
+activations [n_samples, seqlen, hidden] stay on the device. Layer i is calibrated on the outputs
+of the already-quantized layers before it. After each layer its shard and the next layer's
+inputs are saved, so an interrupted run resumes where it stopped with identical shards.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from dsquant.calibrate.layer import layer_forward, quantize_layer
+from dsquant.calibrate.recipe import Recipe, load_recipe
+from dsquant.errors import ConfigError, DsquantError
+from dsquant.export import codecs
+from dsquant.export.writer import ArtifactWriter
+from dsquant.models.loader import load_layer, open_model, release_layer
+
+
+@dataclass
+class QuantizeArgs:
+    model_dir: str
+    recipe: str
+    out_dir: str
+    calib: str | None = None
+    n_samples: int = 128
+    seqlen: int = 512
+    seed: int = 0
+    device: str = "cpu"
+    force: bool = False
+    batch_size: int = 8
+
+
+@dataclass
+class QuantizeReport:
+    out_dir: Path
+    manifest: dict
+    module_errors: dict[str, float] = field(default_factory=dict)
+
+
+def _versions() -> dict:
+    out = {}
+    for pkg in ("dsquant", "torch", "triton", "transformers", "safetensors", "compressed-tensors"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _peak_host_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _check_group_sizes(model, recipe: Recipe) -> None:
+    """Fail before any work if a group size does not divide a quantized Linear's in_features."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.startswith("model.layers."):
+            spec = recipe.scheme_for(name)
+            if spec.is_int and mod.in_features % spec.group_size:
+                raise ConfigError(f"{recipe.source}: group_size {spec.group_size} does not divide "
+                                  f"in_features {mod.in_features} of {name}")
+
+
+def _layer_tensors(layer, prefix: str, result, fmt: str) -> dict[str, torch.Tensor]:
+    """Everything a decoder layer contributes to its shard, in the export format."""
+    tensors = {}
+    for name, qw in result.weights.items():
+        tensors.update(codecs.linear_tensors(name, qw, fmt))
+    linear_weights = {f"{n}.weight" for n in result.weights}
+    for sub, p in layer.named_parameters():
+        full = f"{prefix}.{sub}"
+        if full in linear_weights:
+            continue
+        dtype = torch.float32 if sub.endswith("e_score_correction_bias") else codecs.EXPORT_DTYPE
+        tensors[full] = p.detach().to(dtype)
+    return tensors
+
+
+def run_quantize(args: QuantizeArgs, progress=None) -> QuantizeReport:
+    recipe = load_recipe(args.recipe)  # a bad recipe fails before any work
+    if args.n_samples < 1 or args.seqlen < 2:
+        raise DsquantError(f"--n-samples and --seqlen must be positive (got {args.n_samples}, {args.seqlen})")
+    model_dir = Path(args.model_dir)
+    model, source = open_model(model_dir)
+    cfg = model.config
+    _check_group_sizes(model, recipe)
+    fmt = codecs.export_format(recipe)
+    scale_dtype = codecs.scale_dtype_for(fmt)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DsquantError("--device cuda: no CUDA device is available")
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    from dsquant.data import calibration_samples
+
+    samples = calibration_samples(tokenizer, args.n_samples, args.seqlen, args.seed, source=args.calib)
+    data_hash = hashlib.sha256(samples.numpy().tobytes()).hexdigest()
+    run_key = {"model_dir": str(model_dir.resolve()), "recipe": recipe.to_dict(), "calib_sha256": data_hash,
+               "n_samples": args.n_samples, "seqlen": args.seqlen, "seed": args.seed,
+               "device": device.type}
+    writer = ArtifactWriter(args.out_dir, cfg.num_hidden_layers, run_key, args.force)
+
+    t0 = time.time()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    load_layer(model, source, None, device, compute_dtype)
+    positions = torch.arange(args.seqlen, device=device)[None]
+    ctx = model.eager_context(positions)
+    start = writer.next_layer
+    if start > 0:
+        hidden = writer.load_hidden().to(device, compute_dtype)
+    else:
+        with torch.no_grad():
+            hidden = model.embed(samples.to(device))  # [n, T, hidden]
+    for i in range(start, cfg.num_hidden_layers):
+        t_layer = time.time()
+        load_layer(model, source, i, device, compute_dtype)
+        layer, prefix = model.model.layers[i], f"model.layers.{i}"
+        result = quantize_layer(layer, prefix, hidden, ctx, recipe, scale_dtype, args.batch_size)
+        hidden = layer_forward(layer, hidden, ctx, args.batch_size)
+        writer.write_shard(i, _layer_tensors(layer, prefix, result, fmt))
+        stats = {"seconds": round(time.time() - t_layer, 3), "errors": result.errors,
+                 "schemes": {n: [w.spec.scheme, w.spec.group_size] for n, w in result.weights.items()},
+                 "fallback_experts": result.fallback_experts, "peak_host_bytes": _peak_host_bytes(),
+                 "peak_device_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else 0}
+        writer.save_progress(i + 1, hidden, stats)
+        release_layer(model, i)
+        del layer, result
+        if progress is not None:
+            progress(i + 1, cfg.num_hidden_layers, stats)
+
+    top = {"model.embed_tokens.weight": model.model.embed_tokens.weight, "model.norm.weight": model.model.norm.weight}
+    if not cfg.tie_word_embeddings:
+        top["lm_head.weight"] = model.lm_head.weight
+    writer.write_shard(cfg.num_hidden_layers, {k: v.detach().to(codecs.EXPORT_DTYPE) for k, v in top.items()})
+
+    layers = writer.state["layers"]
+    schemes = {n: tuple(s) for st in layers.values() for n, s in st["schemes"].items() if s[0] != "bf16"}
+    kept = sorted({n for st in layers.values() for n, s in st["schemes"].items() if s[0] == "bf16"})
+    config = dict(cfg.raw)
+    config["quantization_config"] = codecs.quantization_config(fmt, recipe, schemes, kept)
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    errors = {n: e for st in layers.values() for n, e in st["errors"].items()}
+    manifest = {
+        "dsquant_version": _versions()["dsquant"], "format": fmt, "recipe": recipe.to_dict(),
+        "source_model": str(model_dir.resolve()),
+        "calibration": {"source": args.calib or "bundled:calibration", "n_samples": args.n_samples,
+                        "seqlen": args.seqlen, "seed": args.seed, "sha256": data_hash},
+        "device": device.type, "seconds_total": round(time.time() - t0, 3),
+        "resumed_from_layer": start,
+        "peak_host_bytes": max([_peak_host_bytes()] + [st["peak_host_bytes"] for st in layers.values()]),
+        "peak_device_bytes": max([0] + [st["peak_device_bytes"] for st in layers.values()]),
+        "layers": {k: {"seconds": v["seconds"], "fallback_experts": v["fallback_experts"]} for k, v in layers.items()},
+        "module_errors": errors, "versions": _versions(),
+    }
+    out = writer.finalize(config, manifest, model_dir)
+    return QuantizeReport(out, json.loads((out / "dsquant.json").read_text()), errors)

@@ -1,0 +1,77 @@
+"""Weight quantizers on the shared grids (formats.py), and the result every method returns.
+
+All math is in float32 on the layer's device. `QuantizedWeight.dequantized` is exactly what an
+artifact reader computes from the exported tensors (scales are rounded to their export dtype
+first), so the sequential forward sees the same weights inference will.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsquant import formats
+from dsquant.calibrate.recipe import SchemeSpec
+
+
+@dataclass
+class QuantizedWeight:
+    """One Linear's quantized form. Int schemes fill q/scales/zeros (+ g_idx for GPTQ);
+    fp8_block fills fp8/scale_inv; bf16 keeps `dequantized` as the weight itself."""
+
+    spec: SchemeSpec
+    dequantized: torch.Tensor  # [N, K] float32
+    q: torch.Tensor | None = None  # [N, K] int32 codes 0..15
+    scales: torch.Tensor | None = None  # [N, K/G] in the export scale dtype
+    zeros: torch.Tensor | None = None  # [N, K/G] int32
+    g_idx: torch.Tensor | None = None  # [K] int32 (GPTQ; a permutation's groups under act-order)
+    fp8: torch.Tensor | None = None  # [N, K] float8_e4m3fn
+    scale_inv: torch.Tensor | None = None  # [ceil(N/128), ceil(K/128)] fp32
+
+
+def int_grid(w: torch.Tensor, spec: SchemeSpec, scale_dtype: torch.dtype, symmetric: bool = False,
+             clip_ratio: torch.Tensor | float = 1.0) -> QuantizedWeight:
+    """Round-to-nearest onto the group grid; w [N, K] float32."""
+    _, scales, zeros = formats.quantize_int_groupwise(w, spec.group_size, spec.bits, symmetric, clip_ratio)
+    scales = scales.to(scale_dtype).to(torch.float32).clamp(min=torch.finfo(scale_dtype).tiny)
+    q = codes_for(w, scales, zeros, spec)
+    deq = formats.dequantize_int_groupwise(q, scales, zeros, spec.group_size)
+    return QuantizedWeight(spec, deq, q=q, scales=scales.to(scale_dtype), zeros=zeros)
+
+
+def codes_for(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: SchemeSpec) -> torch.Tensor:
+    """Codes of w [N, K] for given (already rounded) scales/zeros [N, K/G]."""
+    n, k = w.shape
+    g = spec.group_size
+    qmax = 2 ** spec.bits - 1
+    wg = w.reshape(n, k // g, g)
+    q = torch.round(wg / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)
+    return q.clamp(0, qmax).to(torch.int32).reshape(n, k)
+
+
+def fake_int(w: torch.Tensor, spec: SchemeSpec, scale_dtype: torch.dtype,
+             clip_ratio: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """The dequantized int grid of w (for searches)."""
+    return int_grid(w, spec, scale_dtype, clip_ratio=clip_ratio).dequantized
+
+
+def fp8_block(w: torch.Tensor, spec: SchemeSpec) -> QuantizedWeight:
+    fp8, scale_inv = formats.quantize_fp8_block(w)
+    return QuantizedWeight(spec, formats.dequantize_fp8_block(fp8, scale_inv), fp8=fp8, scale_inv=scale_inv)
+
+
+def fake_quant(w: torch.Tensor, spec: SchemeSpec, scale_dtype: torch.dtype) -> torch.Tensor:
+    """What `spec` does to w, dequantized (used inside AWQ's scale search)."""
+    if spec.is_int:
+        return fake_int(w, spec, scale_dtype)
+    if spec.scheme == "fp8_block":
+        return fp8_block(w, spec).dequantized
+    return w
+
+
+def relative_output_error(x: torch.Tensor, w: torch.Tensor, w_q: torch.Tensor) -> float:
+    """||x (w_q - w)^T|| / ||x w^T|| on captured inputs x [T, K]; weight error if no inputs."""
+    if x is None or x.numel() == 0:
+        return float((w_q - w).norm() / w.norm().clamp(min=1e-12))
+    ref = x @ w.t()
+    return float((x @ (w_q - w).t()).norm() / ref.norm().clamp(min=1e-12))

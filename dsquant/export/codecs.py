@@ -1,0 +1,126 @@
+"""Export codecs: a quantized Linear's tensors and the quantization_config, per artifact format.
+
+| format             | tensors per Linear                                         | loaded by            |
+| ------------------ | ---------------------------------------------------------- | -------------------- |
+| awq (AutoAWQ gemm) | qweight [K, N/8], qzeros [K/G, N/8], scales fp16 [K/G, N]   | vLLM, SGLang, HF     |
+| gptq (v1)          | qweight [K/8, N], qzeros [K/G, N/8], scales, g_idx [K]      | vLLM, SGLang, HF     |
+| fp8 (DeepSeek-V3)  | weight e4m3 [N, K], weight_scale_inv fp32 [N/128, K/128]    | vLLM, SGLang, HF     |
+| compressed-tensors | pack-quantized: weight_packed [N, K/8], weight_scale [N, K/G], weight_zero_point [N/8, K/G], weight_shape; float-quantized: weight e4m3, weight_scale [N/128, K/128] | vLLM, SGLang, llm-compressor |
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+from dsquant import formats
+from dsquant.calibrate.quantizers import QuantizedWeight
+from dsquant.calibrate.recipe import Recipe
+from dsquant.errors import ConfigError
+
+EXPORT_DTYPE = torch.bfloat16
+
+
+def export_format(recipe: Recipe) -> str:
+    used = recipe.schemes_used()
+    groups = {recipe.default.group_size} | {s.group_size for _, s in recipe.rules if s.is_int}
+    if used <= {"awq", "rtn"} and len(groups) == 1:
+        return "awq"
+    if used == {"gptq"} and len(groups) == 1:
+        return "gptq"
+    if used == {"fp8_block"}:
+        return "fp8"
+    return "compressed-tensors"
+
+
+def scale_dtype_for(fmt: str) -> torch.dtype:
+    """AutoAWQ and GPTQ store fp16 scales; compressed-tensors stores the model's bf16."""
+    return torch.bfloat16 if fmt == "compressed-tensors" else torch.float16
+
+
+def linear_tensors(name: str, qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]:
+    """Tensors of one Linear `name` (without bias) in export format `fmt`."""
+    s = qw.spec
+    if s.scheme == "bf16":
+        return {f"{name}.weight": qw.dequantized.to(EXPORT_DTYPE)}
+    if s.scheme == "fp8_block":
+        key = "weight_scale" if fmt == "compressed-tensors" else "weight_scale_inv"
+        return {f"{name}.weight": qw.fp8, f"{name}.{key}": qw.scale_inv.to(torch.float32)}
+    n, k = qw.q.shape
+    if n % 8:
+        raise ConfigError(f"{name}: out_features {n} is not a multiple of 8; INT4 packing needs it")
+    if fmt == "awq":
+        return {f"{name}.qweight": formats.pack_awq(qw.q.t()), f"{name}.qzeros": formats.pack_awq(qw.zeros.t()),
+                f"{name}.scales": qw.scales.t().contiguous()}
+    if fmt == "gptq":
+        g_idx = qw.g_idx if qw.g_idx is not None else formats.group_index(k, s.group_size).to(torch.int32)
+        return {f"{name}.qweight": formats.pack_gptq_qweight(qw.q.t()),
+                f"{name}.qzeros": formats.pack_gptq_qzeros(qw.zeros.t()),
+                f"{name}.scales": qw.scales.t().contiguous(), f"{name}.g_idx": g_idx}
+    # compressed-tensors pack-quantized: signed int4 codes q - 8 and zero points z - 8
+    return {f"{name}.weight_packed": pack_to_int32((qw.q - 8).to(torch.int8).cpu(), 4),
+            f"{name}.weight_scale": qw.scales.contiguous(),
+            f"{name}.weight_zero_point": pack_to_int32((qw.zeros - 8).to(torch.int8).cpu(), 4, packed_dim=0),
+            f"{name}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+
+
+def type_regex(name: str) -> str:
+    """'model.layers.3.mlp.experts.7.up_proj' -> 're:^model\\.layers\\.\\d+\\.mlp...up_proj$'."""
+    parts = re.split(r"(?<=\.)\d+(?=\.)", name)
+    return "re:^" + r"\d+".join(re.escape(p) for p in parts) + "$"
+
+
+def _targets(by_kind: dict[tuple, list[str]]) -> dict[tuple, list[str]]:
+    """Per group, regexes per module type; exact names for a type split across groups."""
+    owners: dict[str, set] = {}
+    for kind, names in by_kind.items():
+        for n in names:
+            owners.setdefault(type_regex(n), set()).add(kind)
+    out = {}
+    for kind, names in by_kind.items():
+        regexes = {type_regex(n) for n in names if len(owners[type_regex(n)]) == 1}
+        exact = {f"re:^{re.escape(n)}$" for n in names if len(owners[type_regex(n)]) > 1}
+        out[kind] = sorted(regexes | exact)
+    return out
+
+
+def _int_args(recipe: Recipe, group: int) -> dict:
+    return {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": group,
+            "dynamic": False, "observer": "minmax"}
+
+
+FP8_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+               "block_structure": [128, 128], "dynamic": False, "observer": "minmax"}
+FP8_INPUTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 128,
+              "dynamic": True, "observer": None}
+
+
+def quantization_config(fmt: str, recipe: Recipe, schemes: dict[str, tuple[str, int]], kept: list[str]) -> dict:
+    """config.json's quantization_config; `schemes` maps quantized module -> (scheme, group)."""
+    groups = sorted({g for s, g in schemes.values() if s != "fp8_block"}) or [recipe.default.group_size]
+    not_convert = sorted({re.sub(r"^model\.layers\.\d+\.", "", n) for n in kept}) or None
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": groups[0], "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": not_convert}
+    if fmt == "gptq":
+        g = recipe.gptq
+        return {"quant_method": "gptq", "bits": 4, "group_size": groups[0], "desc_act": g.act_order,
+                "sym": g.sym, "damp_percent": g.damp_percent, "true_sequential": False,
+                "static_groups": False, "checkpoint_format": "gptq", "modules_to_not_convert": not_convert}
+    if fmt == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128], "modules_to_not_convert": not_convert}
+    config_groups = {}
+    by_kind: dict[tuple, list[str]] = {}
+    for name, (scheme, group) in schemes.items():
+        by_kind.setdefault(("fp8", 0) if scheme == "fp8_block" else ("int4", group), []).append(name)
+    targets = _targets(by_kind)
+    for i, (kind, names) in enumerate(sorted(by_kind.items())):
+        if kind[0] == "fp8":
+            body = {"weights": FP8_WEIGHTS, "input_activations": FP8_INPUTS, "format": "float-quantized"}
+        else:
+            body = {"weights": _int_args(recipe, kind[1]), "input_activations": None, "format": "pack-quantized"}
+        config_groups[f"group_{i}"] = {"targets": targets[kind], "output_activations": None, **body}
+    return {"quant_method": "compressed-tensors", "format": "mixed-precision", "quantization_status": "compressed",
+            "config_groups": config_groups, "ignore": sorted(set(kept) | {"lm_head"}), "kv_cache_scheme": None}
