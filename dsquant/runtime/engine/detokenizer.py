@@ -25,6 +25,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly readable text (cut before a stop string if one appears)."""
+        if self.stopped_on is not None:
+            return ""
         self.token_ids.extend(token_ids)
         before = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
@@ -34,15 +36,13 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         if self.stop:
             # a stop string may straddle the previous text and the delta
-            lookback = max(len(s) for s in self.stop) - 1
-            start = max(0, len(self.text) - lookback)
-            window = self.text[start:] + delta
-            cut = min((i for i in (window.find(s) for s in self.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                self.stopped_on = next(s for s in self.stop if window.find(s) == cut)
-                keep = start + cut  # absolute length of the text to keep
-                delta = (self.text + delta)[len(self.text):keep] if keep > len(self.text) else ""
-                self.text = self.text[:keep] if keep < len(self.text) else self.text + delta
+            combined = self.text + delta
+            begin = max(0, len(self.text) - max(len(x) for x in self.stop) + 1)
+            hits = sorted((i, x) for x in self.stop if (i := combined.find(x, begin)) >= 0)
+            if hits:
+                cut, self.stopped_on = hits[0]
+                delta = combined[len(self.text):cut]
+                self.text = combined[:cut]
                 return delta
         self.text += delta
         return delta
