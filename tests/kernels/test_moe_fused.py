@@ -164,3 +164,19 @@ def test_act_quant_kernel_matches_torch(shape, device):
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     mismatch = (q.float() != q_ref.float()).float().mean()
     assert mismatch < 1e-3, f"{mismatch:.1e} of the fp8 codes differ from torch's rounding"
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_repack_keeps_every_weight(group, device):
+    """The tiled INT4 layout dequantises to exactly what the AWQ tensors hold, expert by expert."""
+    from dsquant import formats
+    from dsquant.runtime.kernels.fused_moe_int4 import dequantize_int4_experts, int4_experts_from_awq
+    from tests.kernels.moe_cases import _awq
+
+    w = torch.randn(3, 48, 256, device=device)
+    qweight, qzeros, scales = _awq(w, group, torch.float16)
+    packed = int4_experts_from_awq(qweight, qzeros, scales, group)
+    expected = torch.stack([formats.dequantize_awq(qweight[e], qzeros[e], scales[e], group) for e in range(3)])
+    assert torch.equal(dequantize_int4_experts(packed), expected)
+    with pytest.raises(ValueError, match="in_features % 128"):
+        int4_experts_from_awq(*_awq(w[:, :, :192], 64, torch.float16), 64)

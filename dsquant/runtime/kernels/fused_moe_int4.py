@@ -2,9 +2,11 @@
 
 AWQ per expert (stacked over E): qweight int32 [E, K, N/8] (8 nibbles along N in the order
 0,2,4,6,1,3,5,7), qzeros int32 [E, K/G, N/8] (same order), scales [E, K/G, N]; W^T = (q - z) * s.
-Kernel layout (moe_gemm "int4"): qweight int32 [E, N, K/8] packed along K in plain order (nibble i
-of word j is k = 8j + i), so each output row's codes are contiguous along K and a small BLOCK_N
-still reads whole 32-byte sectors; zeros uint8 [E, K/G, N]; scales [E, K/G, N] unchanged.
+Kernel layout (moe_gemm "int4"): qweight int32 [E, N/16, K/128, 16, 16], tiled: 16 output rows x
+128 input channels are one contiguous 1 KiB block, and nibble j of word i of a row holds channel
+16j + i of the tile, so nibble plane j is 16 consecutive channels (a contiguous slice of the
+activations, one MMA k-step); zeros uint8 [E, K/G, N]; scales [E, K/G, N] unchanged.
+Needs N % 16 == 0 and K % 128 == 0 (true of DeepSeek V2/V3 expert shapes).
 """
 from __future__ import annotations
 
@@ -31,19 +33,23 @@ def int4_experts_from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
         raise ValueError(f"qzeros has shape {tuple(qzeros.shape)}, expected {(e, k // group_size, n8)}")
     if tuple(scales.shape) != (e, k // group_size, n):
         raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {(e, k // group_size, n)}")
-    codes = unpack_awq(qweight)  # [E, K, N]
-    packed = pack_gptq_qweight(codes.permute(1, 0, 2).reshape(k, e * n))  # [K/8, E*N]
-    packed = packed.reshape(k // 8, e, n).permute(1, 2, 0).contiguous()  # [E, N, K/8]
+    if n % 16 or k % 128:
+        raise ValueError(f"int4 experts need out_features % 16 == 0 and in_features % 128 == 0, got N={n}, K={k}")
+    codes = unpack_awq(qweight).transpose(1, 2)  # [E, N, K]
+    planes = codes.reshape(e, n // 16, 16, k // 128, 8, 16)  # [e, chunk, r, tile, j, i]
+    planes = planes.permute(4, 0, 1, 3, 2, 5).reshape(8, -1)  # [j, words]
+    packed = pack_gptq_qweight(planes).reshape(e, n // 16, k // 128, 16, 16)  # nibble j = plane j
     zeros = unpack_awq(qzeros).to(torch.uint8).contiguous()  # [E, K/G, N]
-    return GroupedWeight("int4", packed, scales.contiguous(), zeros, group_size, n=n, k=k)
+    return GroupedWeight("int4", packed.contiguous(), scales.contiguous(), zeros, group_size, n=n, k=k)
 
 
 def dequantize_int4_experts(w: GroupedWeight) -> torch.Tensor:
     """GroupedWeight("int4") -> fp32 [E, N, K] (for references and checks)."""
-    e, n, k8 = w.weight.shape
+    e, n, k = w.num_experts, w.n, w.k
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.weight.device)
-    q = ((w.weight.unsqueeze(-1) >> shifts) & 0xF).reshape(e, n, k8 * 8)  # [E, N, K]
-    g = torch.arange(w.k, device=q.device) // w.group_size  # [K]
+    q = (w.weight.unsqueeze(-1) >> shifts) & 0xF  # [e, chunk, tile, r, i, j]
+    q = q.permute(0, 1, 3, 2, 5, 4).reshape(e, n, k)  # [e, (chunk, r), (tile, j, i)]
+    g = torch.arange(k, device=q.device) // w.group_size  # [K]
     z = w.zeros.to(torch.int32).transpose(1, 2)[:, :, g]  # [E, N, K]
     s = w.scales.float().transpose(1, 2)[:, :, g]
     return (q - z).float() * s

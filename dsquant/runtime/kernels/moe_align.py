@@ -74,7 +74,7 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
-TRITON_MAX_PAIRS = 1024  # "auto" uses the single-program kernel up to this many pairs
+TRITON_MAX_PAIRS = 2048  # "auto" uses the single-program kernel up to this many pairs
 
 
 def _align_torch(flat, num_experts, block_m, sorted_ids, expert_ids, num_post):

@@ -10,9 +10,10 @@ row per pair [T*top_k, K] (down projection). Epilogues:
 - routed: out[p, n] *= topk_weights[p] (fp32 [T*top_k]), out [T*top_k, N].
 Expert weight layouts (GroupedWeight.format), N output rows, K input columns, all experts stacked:
 - "bf16": weight [E, N, K] in the activation dtype (bf16 or fp16).
-- "int4": qweight int32 [E, N, K/8], nibble i of word j holds k = 8j + i (repacked from AWQ by
-  fused_moe_int4), scales [E, K/G, N] in the activation dtype, zeros uint8 [E, K/G, N];
-  W[n, k] = (q - z) * s, dequantised in registers, BLOCK_K a multiple of G.
+- "int4": qweight int32 [E, N/16, K/128, 16, 16] (tiled, repacked from AWQ by fused_moe_int4:
+  word i of row r in chunk c, tile t holds, in nibble j, W[16c + r, 128t + 16j + i]), scales
+  [E, K/G, N] in the activation dtype, zeros uint8 [E, K/G, N]; W[n, k] = (q - z) * s,
+  dequantised in registers one nibble plane at a time (see _int4_step); BLOCK_K = 128.
 - "fp8": weight float8_e4m3fn [E, N, K], scale_inv fp32 [E, ceil(N/128), ceil(K/128)]; a is fp8
   [rows, K] with a_scale fp32 [rows, ceil(K/128)] (per token per 128 channels); BLOCK_K = 128.
 Accumulation is fp32; outputs are rounded once to out's dtype.
@@ -56,29 +57,65 @@ class GemmConfig:
 
 
 @triton.jit
-def _load_weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, K,
-                      stride_we, stride_wn, stride_se, stride_s1, stride_s2,
-                      W_FORMAT: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
-    """W_e[offs_n, k0:k0+BLOCK_K]^T as a [BLOCK_K, BLOCK_N] tile (fp8 stays fp8)."""
-    if W_FORMAT == 1:
-        rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BLOCK_K/8] packed words
-        ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + rows[:, None]
-        packed = tl.load(ptrs, mask=n_mask[None, :] & (rows[:, None] < K // 8), other=0)
-        shifts = (tl.arange(0, 8) * 4)[None, :, None]  # [1, 8, 1]
-        q = (packed[:, None, :] >> shifts) & 0xF  # [BLOCK_K/8, 8, BLOCK_N]
-        q = tl.reshape(q, (BLOCK_K // GROUP, GROUP, BLOCK_N))
-        groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [BLOCK_K/G]
-        g_off = expert * stride_se + groups[:, None] * stride_s1 + offs_n[None, :] * stride_s2
-        g_mask = n_mask[None, :] & (groups[:, None] < K // GROUP)
-        s = tl.load(s_ptr + g_off, mask=g_mask, other=0.0).to(tl.float32)  # [BLOCK_K/G, BLOCK_N]
-        z = tl.load(z_ptr + g_off, mask=g_mask, other=0).to(tl.int32)
-        w = (q - z[:, None, :]).to(tl.float32) * s[:, None, :]
-        return tl.reshape(w, (BLOCK_K, BLOCK_N)).to(DTYPE)
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-        return tl.load(ptrs, mask=n_mask[None, :] & (offs_k[:, None] < K), other=0.0)
+def _load_weight_tile(w_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K: tl.constexpr):
+    """bf16 / fp8 W_e[offs_n, k0:k0+BLOCK_K]^T as a [BLOCK_K, BLOCK_N] tile."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    return tl.load(ptrs, mask=n_mask[None, :] & (offs_k[:, None] < K), other=0.0)
+
+
+@triton.jit
+def _int4_plane_params(s_ptr, z_ptr, expert, k, offs_n, n_mask, stride_se, stride_s1, stride_s2,
+                       GROUP: tl.constexpr):
+    """fp32 scales and fp32 (2^23 + zero) [BN, 1] of the group holding input channel k."""
+    off = expert * stride_se + (k // GROUP) * stride_s1 + offs_n * stride_s2  # [BN]
+    s = tl.load(s_ptr + off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    z = tl.load(z_ptr + off, mask=n_mask, other=0).to(tl.float32)[:, None] + 8388608.0
+    return s, z
+
+
+@triton.jit
+def _int4_tile(w_ptr, expert, rows, n_mask, k0, stride_we, stride_wc):
+    """Packed words [BN, 16] of weight rows `rows` for the 128 channels from k0 (contiguous 1 KiB
+    per 16 rows in the tiled layout)."""
+    row_off = tl.multiple_of((rows // 16) * stride_wc + (rows % 16) * 16, 16)  # [BN] word offsets
+    ptrs = w_ptr + expert * stride_we + (k0 // 128) * 256 + row_off[:, None] + tl.arange(0, 16)[None, :]
+    return tl.load(ptrs, mask=n_mask[:, None], other=0)
+
+
+@triton.jit
+def _int4_step(acc_t, acc_up_t, a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert, offs_n,
+               n_mask, N, k0, stride_we, stride_wc, stride_se, stride_s1, stride_s2,
+               GATED: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """128 input channels of INT4 weights, computed transposed (acc_t [BN, BM] += W a^T, so the
+    dequantised weights are the dot's register operand and skip shared memory), as 8 nibble
+    planes: plane j holds channels k0 + 16j .. k0 + 16j + 15, a [BN, 16] operand, times a
+    contiguous [16, BM] slice of a. A code q becomes the float 2^23 + q by OR-ing it into the
+    mantissa of 2^23 (no int-to-float conversion, a quarter-rate instruction); (2^23 + q) -
+    (2^23 + z) = q - z exactly, times the scale, rounded once to the GEMM dtype."""
+    i = tl.arange(0, 16)
+    packed = _int4_tile(w_ptr, expert, offs_n, n_mask, k0, stride_we, stride_wc)  # [BN, 16]
+    s, z = _int4_plane_params(s_ptr, z_ptr, expert, k0, offs_n, n_mask, stride_se, stride_s1,
+                              stride_s2, GROUP)
+    if GATED:
+        packed_up = _int4_tile(w_ptr, expert, offs_n + N, n_mask, k0, stride_we, stride_wc)
+        s_up, z_up = _int4_plane_params(s_ptr, z_ptr, expert, k0, offs_n + N, n_mask, stride_se,
+                                        stride_s1, stride_s2, GROUP)
+    for j in tl.static_range(8):
+        if GROUP < 128:  # groups of 32 / 64 change every 2 / 4 planes: reload (L1 hits)
+            s, z = _int4_plane_params(s_ptr, z_ptr, expert, k0 + 16 * j, offs_n, n_mask, stride_se,
+                                      stride_s1, stride_s2, GROUP)
+            if GATED:
+                s_up, z_up = _int4_plane_params(s_ptr, z_ptr, expert, k0 + 16 * j, offs_n + N, n_mask,
+                                                stride_se, stride_s1, stride_s2, GROUP)
+        a_t = tl.load(a_ptr + a_row[None, :] * stride_am + (k0 + 16 * j + i)[:, None],
+                      mask=row_mask[None, :], other=0.0)  # [16, BM]
+        q = (((packed >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + code
+        acc_t = tl.dot(((q - z) * s).to(DTYPE), a_t, acc_t)
+        if GATED:
+            q_up = (((packed_up >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+            acc_up_t = tl.dot(((q_up - z_up) * s_up).to(DTYPE), a_t, acc_up_t)
+    return acc_t, acc_up_t
 
 
 @triton.jit
@@ -101,35 +138,45 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = offs_n < N
     DTYPE = a_ptr.dtype.element_ty  # int4 tiles are dequantised to the activation dtype
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if W_FORMAT == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # transposed, see _int4_step
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + a_row[:, None] * stride_am + offs_k[None, :],
-                    mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
-        b = _load_weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, k0, K, stride_we,
-                              stride_wn, stride_se, stride_s1, stride_s2, W_FORMAT, GROUP, BLOCK_N, BLOCK_K, DTYPE)
-        if GATED:
-            b_up = _load_weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n + N, n_mask, k0, K, stride_we,
-                                     stride_wn, stride_se, stride_s1, stride_s2, W_FORMAT, GROUP, BLOCK_N,
-                                     BLOCK_K, DTYPE)
-        if W_FORMAT == 2:
-            a_s = tl.load(a_scale_ptr + a_row * stride_asm + k0 // 128, mask=row_mask, other=0.0)
-            w_off = expert * stride_se + (k0 // 128) * stride_s2  # scale_inv [E, N/128, K/128]
-            w_s = tl.load(s_ptr + w_off + (offs_n // 128) * stride_s1, mask=n_mask, other=0.0)
-            if FP8_UPCAST:  # the Triton interpreter has no fp8 dot: same products in fp32
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(a, b) * a_s[:, None] * w_s[None, :]
-            if GATED:
-                w_s_up = tl.load(s_ptr + w_off + ((offs_n + N) // 128) * stride_s1, mask=n_mask, other=0.0)
-                if FP8_UPCAST:
-                    b_up = b_up.to(tl.float32)
-                acc_up += tl.dot(a, b_up) * a_s[:, None] * w_s_up[None, :]
+        if W_FORMAT == 1:
+            acc, acc_up = _int4_step(acc, acc_up, a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr,
+                                     expert, offs_n, n_mask, N, k0, stride_we, stride_wn, stride_se,
+                                     stride_s1, stride_s2, GATED, GROUP, DTYPE)
         else:
-            acc = tl.dot(a, b, acc)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + a_row[:, None] * stride_am + offs_k[None, :],
+                        mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0)  # [BM, BLOCK_K]
+            b = _load_weight_tile(w_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_wn, BLOCK_K)
             if GATED:
-                acc_up = tl.dot(a, b_up, acc_up)
+                b_up = _load_weight_tile(w_ptr, expert, offs_n + N, n_mask, k0, K, stride_we, stride_wn,
+                                         BLOCK_K)
+            if W_FORMAT == 2:
+                a_s = tl.load(a_scale_ptr + a_row * stride_asm + k0 // 128, mask=row_mask, other=0.0)
+                w_off = expert * stride_se + (k0 // 128) * stride_s2  # scale_inv [E, N/128, K/128]
+                w_s = tl.load(s_ptr + w_off + (offs_n // 128) * stride_s1, mask=n_mask, other=0.0)
+                if FP8_UPCAST:  # the Triton interpreter has no fp8 dot: same products in fp32
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc += tl.dot(a, b) * a_s[:, None] * w_s[None, :]
+                if GATED:
+                    w_s_up = tl.load(s_ptr + w_off + ((offs_n + N) // 128) * stride_s1, mask=n_mask, other=0.0)
+                    if FP8_UPCAST:
+                        b_up = b_up.to(tl.float32)
+                    acc_up += tl.dot(a, b_up) * a_s[:, None] * w_s_up[None, :]
+            else:
+                acc = tl.dot(a, b, acc)
+                if GATED:
+                    acc_up = tl.dot(a, b_up, acc_up)
+    if W_FORMAT == 1:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if ROUTED:
@@ -148,8 +195,9 @@ def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.
     if a.shape[1] != w.k or out.shape[1] != n_out or a.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError(f"moe_gemm shapes: a {tuple(a.shape)}, weight n={w.n} k={w.k}, out {tuple(out.shape)}")
     fmt = FORMATS[w.format]
-    if fmt == 1 and cfg.block_k % w.group_size:
-        raise ValueError(f"int4 BLOCK_K {cfg.block_k} must be a multiple of group_size {w.group_size}")
+    if fmt == 1 and (cfg.block_k != 128 or cfg.block_n % 16):
+        raise ValueError(f"int4 experts need BLOCK_K = 128 (the packing tile) and BLOCK_N a multiple of 16, "
+                         f"got {cfg.block_k} and {cfg.block_n}")
     if fmt == 2 and (cfg.block_k != 128 or a_scale is None):
         raise ValueError("fp8 experts need BLOCK_K = 128 and per-token-group activation scales")
     s = w.scales if w.scales is not None else w.weight
