@@ -20,7 +20,7 @@ import torch
 from dsquant.config import load_config
 from dsquant.errors import CheckpointError
 from dsquant.models.causal_lm import CausalLM
-from dsquant.models.checkpoint import CheckpointReader, layer_of
+from dsquant.models.checkpoint import CheckpointReader
 from dsquant.models.layers import Backends
 from dsquant.models.loader import FLOAT_DTYPES, WeightSource, check_unexpected, default_dtype, load_tensors
 from dsquant.runtime.layers.linear import LinearFactory, QuantLinear
@@ -59,7 +59,6 @@ def verify_manifest(model_dir: str | Path) -> int:
 
 def _load_quant_params(module: QuantLinear, prefix: str, source: WeightSource, device, dtype) -> None:
     reader = source.reader
-    module.compute_dtype = dtype
     for attr, meta in list(module.named_parameters(recurse=False)):
         key = f"{prefix}.{attr}"
         if key not in reader:
@@ -86,23 +85,27 @@ def _load_quant_params(module: QuantLinear, prefix: str, source: WeightSource, d
 def load_layer_quantized(model: CausalLM, source: WeightSource, layer: int | None, device, dtype,
                          prepare=None) -> None:
     """Materialise one decoder layer (None: embeddings, norm, lm_head) and process its linears."""
+    if layer is None:  # embeddings, final norm, lm_head
+        modules = [(n, m) for n, m in model.named_modules() if not n.startswith("model.layers")]
+    else:
+        modules = list(model.model.layers[layer].named_modules(prefix=f"model.layers.{layer}"))
+    linears = [(n, m) for n, m in modules if isinstance(m, QuantLinear)]
     quant: dict[str, QuantLinear] = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, QuantLinear) and layer_of(name) == layer and mod.method.name != "dense":
+    for name, mod in linears:
+        mod.compute_dtype = dtype
+        if mod.method.name != "dense":
             quant[name] = mod
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    plain = [n for n in names if layer_of(n) == layer and n.rpartition(".")[0] not in quant]
+    names = [f"{prefix}.{p}" if prefix else p for prefix, m in modules
+             for p, t in list(m._parameters.items()) + list(m._buffers.items()) if t is not None]
+    plain = [n for n in names if n.rpartition(".")[0] not in quant]
     load_tensors(model, source, plain, device, dtype)
     for prefix, mod in quant.items():
         _load_quant_params(mod, prefix, source, device, dtype)
     if prepare is not None and layer is not None:
         prepare(model.model.layers[layer])  # e.g. stack MoE experts before per-linear repacking
-    for name, mod in model.named_modules():
-        if isinstance(mod, QuantLinear) and layer_of(name) == layer:
-            mod.compute_dtype = dtype
-            if next(mod.parameters(recurse=False), None) is not None:  # not taken by `prepare`
-                mod.method.process_weights_after_loading(mod)
+    for _, mod in linears:
+        if next(mod.parameters(recurse=False), None) is not None:  # not taken by `prepare`
+            mod.method.process_weights_after_loading(mod)
 
 
 def load_runtime_model(path: str | Path, backends: Backends, dtype: torch.dtype | None = None,

@@ -95,7 +95,10 @@ class LLMEngine:
             from dsquant.runtime.layers.moe import FusedMoE
 
             attention, moe = TritonPagedAttention(), FusedMoE()
-            prepare = moe.prepare
+
+            def prepare(decoder_layer):  # before each Linear repacks (and drops) its checkpoint tensors
+                attention.prepare(decoder_layer)
+                moe.prepare(decoder_layer)
         else:
             from dsquant.runtime.layers.attention import TorchPagedAttention
             from dsquant.runtime.layers.moe import LoopMoE

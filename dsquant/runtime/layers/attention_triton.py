@@ -20,14 +20,21 @@ class TritonPagedAttention(PagedAttentionBase):
         super().__init__()
         self.absorbed: dict = {}  # module -> (w_uk [H, nope, R], w_uv [H, v, R])
 
+    def prepare(self, decoder_layer) -> None:
+        """Right after a layer loads, before its linears repack: take MLA's absorbed weights."""
+        module = decoder_layer.self_attn
+        if not hasattr(module, "kv_lora_rank"):
+            return
+        proj = module.kv_b_proj
+        w = proj.method.dequantized_weight(proj, torch.float32) if hasattr(proj, "method") else proj.weight.float()
+        w = w.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim, module.kv_lora_rank)
+        w_uk, w_uv = w.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)  # [H, nope, R], [H, v, R]
+        dtype = getattr(proj, "compute_dtype", torch.bfloat16)
+        self.absorbed[module] = (w_uk.to(dtype).contiguous(), w_uv.to(dtype).contiguous())
+
     def _absorbed(self, module, dtype):
-        if module not in self.absorbed:
-            w = module.kv_b_proj.method.dequantized_weight(module.kv_b_proj, torch.float32) \
-                if hasattr(module.kv_b_proj, "method") else module.kv_b_proj.weight.float()
-            w = w.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim, module.kv_lora_rank)
-            w_uk, w_uv = w.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)
-            self.absorbed[module] = (w_uk.to(dtype).contiguous(), w_uv.to(dtype).contiguous())
-        return self.absorbed[module]
+        w_uk, w_uv = self.absorbed[module]
+        return w_uk.to(dtype), w_uv.to(dtype)
 
     def gqa(self, module, q, k, v, ctx: PagedContext):
         from dsquant.runtime.kernels.kv_store import store_kv
