@@ -41,6 +41,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 64
     verify_checksums: bool = True
     seed: int = 0
+    kernels: bool | None = None  # Triton attention + fused MoE; None: on CUDA (True on CPU needs TRITON_INTERPRET=1)
 
 
 @dataclass
@@ -90,7 +91,7 @@ class LLMEngine:
         self.config = c = config or EngineConfig()
         self.path = Path(model_path)
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda":
+        if c.kernels if c.kernels is not None else device.type == "cuda":
             from dsquant.runtime.layers.attention_triton import TritonPagedAttention
             from dsquant.runtime.layers.moe import FusedMoE
 

@@ -4,17 +4,21 @@ On CUDA, `FusedMoE.prepare(decoder_layer)` runs right after the layer's tensors 
 Linear repacks itself): the experts' per-module tensors are stacked into the fused kernel's
 grouped layout (fused_moe.py: w13 = gate rows then up rows [E, 2I, H], w2 [E, H, I]) and the
 per-expert tensors are dropped. Formats: bf16/fp16 experts as they are; AWQ INT4 experts through
-int4_experts_from_awq; FP8 block experts through fp8_experts; any other format (GPTQ,
-compressed-tensors INT4) is dequantized once to the model dtype and runs as bf16 experts.
+int4_experts_from_awq; FP8 block experts through fp8_experts; GPTQ and compressed-tensors INT4
+experts, and shapes the quantized grouped GEMMs refuse (ValueError), are dequantized once to the
+model dtype and run as bf16 experts.
 Shared experts stay a dense GatedMLP, added by the MoE module itself.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from dsquant.models.moe import LoopMoE, MoE
 
 __all__ = ["FusedMoE", "LoopMoE"]
+log = logging.getLogger(__name__)
 
 
 def _stack(experts, proj: str, attr: str) -> torch.Tensor:
@@ -31,10 +35,23 @@ class FusedMoE:
         module = decoder_layer.mlp
         if not isinstance(module, MoE):
             return
-        from dsquant.runtime.kernels.fused_moe import MoeWeights, bf16_experts
+        from dsquant.runtime.kernels.fused_moe import MoeWeights
 
         experts = list(module.experts)
-        method = experts[0].gate_proj.method.name
+        try:
+            w13, w2 = self._grouped(module, experts)
+        except ValueError as e:  # a shape the quantized grouped GEMM does not take: run bf16 experts
+            log.info("layer %d: %s; running the experts dequantized", decoder_layer.layer_idx, e)
+            w13, w2 = self._grouped(module, experts, dense=True)
+        self.weights[module] = MoeWeights(w13=w13, w2=w2)
+        for e in experts:
+            for proj in (e.gate_proj, e.up_proj, e.down_proj):
+                proj._parameters.clear()
+
+    def _grouped(self, module, experts, dense: bool = False):
+        from dsquant.runtime.kernels.fused_moe import bf16_experts
+
+        method = "dense" if dense else experts[0].gate_proj.method.name
         if method == "awq":
             from dsquant.runtime.kernels.fused_moe_int4 import int4_experts_from_awq
 
@@ -58,10 +75,7 @@ class FusedMoE:
                                     for e in experts])
             w13 = bf16_experts(torch.cat([dense("gate_proj"), dense("up_proj")], dim=1).contiguous())
             w2 = bf16_experts(dense("down_proj").contiguous())
-        self.weights[module] = MoeWeights(w13=w13, w2=w2)
-        for e in experts:
-            for proj in (e.gate_proj, e.up_proj, e.down_proj):
-                proj._parameters.clear()
+        return w13, w2
 
     def experts(self, module, x, topk_ids, topk_weights):
         from dsquant.runtime.kernels.fused_moe import fused_moe
