@@ -74,11 +74,14 @@ def with_shared_experts(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_
             torch.cat([topk_ids, ids.expand(t, n_shared)], dim=1))
 
 
-def pick_configs(num_pairs: int, num_experts: int, fmt: str, group_size: int = 0):
-    """(gate/up config, down config) from the pairs per expert and the weight format.
+def pick_configs(num_pairs: int, num_experts: int, fmt: str, group_size: int = 0,
+                 n_gate_up: int = 0, n_down: int = 0):
+    """(gate/up config, down config) from the pairs per expert, the weight format and, for INT4 at
+    decode sizes, the output widths (n_gate_up = I, n_down = H).
 
-    Measured on an H200 (dsquant bench moe --sweep): for INT4 at decode sizes the gated gate/up
-    GEMM prefers BLOCK_N 32 (two weight tiles per program), the down GEMM BLOCK_N 64."""
+    INT4 rule, from dsquant bench moe --sweep on an H200 (V2-Lite layer): with fewer than 256
+    programs at BLOCK_N 64 (T = 1), BLOCK_N 32 with 2 warps fills the GPU best (gate/up 32 us vs
+    38-43 us); otherwise BLOCK_N 64 with 4 warps (T = 8: gate/up 96 us vs 104-157 us)."""
     per_expert = num_pairs / num_experts
     if per_expert <= 2:
         block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
@@ -90,11 +93,16 @@ def pick_configs(num_pairs: int, num_experts: int, fmt: str, group_size: int = 0
         block_m, block_n, block_k, warps, stages = 64, 128, 64, 8, 3
     if fmt in ("fp8", "int4"):
         block_k = 128  # fp8: the scale block; int4: the packing tile
-    down = GemmConfig(block_m, block_n, block_k, warps, stages)
-    gate_up = down
-    if fmt == "int4" and per_expert <= 24:
-        gate_up = GemmConfig(block_m, 32, block_k, warps, 4)
-    return gate_up, down
+    cfg = GemmConfig(block_m, block_n, block_k, warps, stages)
+    if fmt != "int4" or per_expert > 24:
+        return cfg, cfg
+
+    def small(n_out):
+        blocks = min(num_pairs, num_experts)
+        if blocks * -(-n_out // 64) < 256:
+            return GemmConfig(16, 32, 128, 2, 4)
+        return GemmConfig(16, 64, 128, 4, 4)
+    return small(n_gate_up), small(n_down)
 
 
 def fused_moe(hidden: torch.Tensor, weights: MoeWeights, topk_weights: torch.Tensor,
@@ -109,7 +117,8 @@ def fused_moe(hidden: torch.Tensor, weights: MoeWeights, topk_weights: torch.Ten
                          f"must both be [T={t}, top_k]")
     top_k = topk_ids.shape[1]
     fmt = weights.w13.format
-    cfg13, cfg2 = configs or pick_configs(t * top_k, weights.num_experts, fmt, weights.w13.group_size)
+    cfg13, cfg2 = configs or pick_configs(t * top_k, weights.num_experts, fmt, weights.w13.group_size,
+                                          weights.w13.n // 2, weights.w2.n)
     align = moe_align_block_size(topk_ids, weights.num_experts, cfg13.block_m)
     inter = weights.w13.n // 2
     act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
