@@ -192,13 +192,27 @@ def check_targets(rows) -> list[tuple[str, str, bool]]:
 
 
 def markdown_table(rows) -> str:
-    lines = ["| K x N | M | " + " | ".join(f"{m} graph us (x bf16)" for m in METHODS) + " |",
-             "| --- | --- |" + " --- |" * len(METHODS)]
+    """Cells: graph us / eager us (graph speed-up over bf16)."""
+    lines = ["| K x N | M | " + " | ".join(METHODS) + " |", "| --- | --- |" + " --- |" * len(METHODS)]
     for k, n, m in sorted({(r.k, r.n, r.m) for r in rows}, key=lambda t: (t[0], t[1], t[2])):
         cells = []
         for meth in METHODS:
-            g, s = _time(rows, k, n, m, meth), _time(rows, k, n, m, meth, "speedup_graph")
-            cells.append("refused" if g is None else f"{g:.1f} ({s:.2f}x)")
+            g, e = _time(rows, k, n, m, meth), _time(rows, k, n, m, meth, "eager_us")
+            s = _time(rows, k, n, m, meth, "speedup_graph")
+            cells.append("refused" if g is None else f"{g:.1f} / {e:.1f} ({s:.2f}x)")
+        lines.append(f"| {k} x {n} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def rates_table(rows, ms=(1, 16, 4096)) -> str:
+    """Achieved weight GB/s and TFLOP/s (graph times) per method."""
+    lines = ["| K x N | M | " + " | ".join(f"{m} GB/s, TFLOP/s" for m in METHODS) + " |",
+             "| --- | --- |" + " --- |" * len(METHODS)]
+    for k, n, m in sorted({(r.k, r.n, r.m) for r in rows if r.m in ms}):
+        cells = []
+        for meth in METHODS:
+            gb, tf = _time(rows, k, n, m, meth, "weight_gbps"), _time(rows, k, n, m, meth, "tflops")
+            cells.append("-" if gb is None else f"{gb:.0f}, {tf:.1f}")
         lines.append(f"| {k} x {n} | {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -234,7 +248,7 @@ def gemm(json_path, shapes, m_list, group_size, rep_ms, configs_path) -> None:
             click.echo(f"{k:5d}x{n:<6d} M={r.m:<5d} {r.method:10s} {g}  err {r.rel_err}")
     env = environment()
     click.echo(f"\n{env['gpu']}  torch {env['torch']}  triton {env['triton']}  {env['date']}\n")
-    click.echo(markdown_table(rows))
+    click.echo(markdown_table(rows) + "\n\n" + rates_table(rows))
     targets = check_targets(rows)
     click.echo("\ntargets:")
     for name, val, ok in targets:
