@@ -29,6 +29,27 @@ from dsquant.runtime.kernels.w4a16_repack import W4A16Weights
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
+@triton.jit
+def _unpack_nibbles(qw, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """int32 [ROWS, COLS/8] -> codes [ROWS, COLS]; column 8c + i = nibble i of word c.
+
+    Built from in-thread joins, so each thread expands whole words it holds: the broadcast form
+    (qw[:, :, None] >> shifts) spread one word over 8 threads and cost about 4x the shared-memory
+    instructions on sm_90 (SASS of the 64 x 128 tile: 84 LDS + 76 STS against 22 + 20).
+    join(a, b) adds a minor axis of 2; three levels give index 4*i0 + 2*i1 + i2 = nibble.
+    """
+    n0 = qw & 0xF
+    n1 = (qw >> 4) & 0xF
+    n2 = (qw >> 8) & 0xF
+    n3 = (qw >> 12) & 0xF
+    n4 = (qw >> 16) & 0xF
+    n5 = (qw >> 20) & 0xF
+    n6 = (qw >> 24) & 0xF
+    n7 = (qw >> 28) & 0xF
+    q = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+    return tl.reshape(q, (ROWS, COLS))  # [ROWS, COLS/8, 2, 2, 2] -> [ROWS, COLS]
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])  # one compile for any M and split
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counters_ptr,
                        M, N, num_groups, stride_xm, stride_qn, stride_sg, stride_zg, stride_om,
@@ -53,7 +74,6 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
     m_mask = offs_m < M
     offs_w = tl.arange(0, GROUP // 8)  # [G/8] packed words of one group
     offs_k = tl.arange(0, GROUP)  # [G]
-    shifts = tl.arange(0, 8) * 4  # [8]
     dtype = x_ptr.dtype.element_ty
 
     per_split = tl.cdiv(num_groups, split_k)
@@ -68,8 +88,7 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
             k_idx = tl.load(perm_ptr + k_idx)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k_idx[:, None],
                      mask=m_mask[None, :], other=0.0)  # [G, BM]
-        q = (qw[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, G/8, 8]
-        q = tl.reshape(q, (BLOCK_N, GROUP))  # [BN, G], column 8c + i = nibble i of word c
+        q = _unpack_nibbles(qw, BLOCK_N, GROUP)  # [BN, G], column 8c + i = nibble i of word c
         w = (q | MAGIC).to(tl.int16).to(dtype, bitcast=True)  # [BN, G] = OFFSET + q exactly
         d = tl.dot(w, xt)  # [BN, BM] fp32
         x_sum = tl.sum(xt.to(tl.float32), axis=0)  # [BM]
