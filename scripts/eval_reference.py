@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dsquant.data import eval_tokens, sliding_window_perplexity  # noqa: E402
+from dsquant.data import eval_tokens, load_tokenizer, sliding_window_perplexity  # noqa: E402
 from scripts.model_card import write_card  # noqa: E402
 from scripts.train_reference import token_stream  # noqa: E402
 
@@ -68,11 +68,8 @@ def expert_loads(model, tokens: torch.Tensor, device: str, batch_size: int) -> d
 def evaluate(model_dir: Path, corpus: Path, device: str, batch_size: int, max_tokens: int | None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # Eager attention: on the H200 (torch 2.11) the fp32 SDPA path with enable_gqa gave Qwen2
-    # perplexities far from the CPU's (49.5 vs 15.8 on the code slice) while MLA matched to 1e-6.
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    model = model.to(device).eval()
+    tokenizer = load_tokenizer(model_dir)  # not AutoTokenizer: see dsquant/data/tokenizer.py
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     if getattr(model.config, "n_routed_experts", None):
         model.set_experts_implementation("eager")  # the plain per-expert loop: exact fp32 on any device
 

@@ -69,9 +69,21 @@ def card_text(model_dir: Path) -> str:
         "quantization costs; not a useful language model.",
         "",
         "Loads offline with `transformers.AutoModelForCausalLM.from_pretrained(dir)` and "
-        "`dsquant.models.load_model(dir)`; the tokenizer files beside it are dsquant's bundled "
-        "byte-level BPE tokenizer (vocabulary 8192).",
+        "`dsquant.models.load_model(dir)`. The tokenizer files beside it are dsquant's bundled "
+        "byte-level BPE tokenizer (vocabulary 8192, trained on the same training text); load them "
+        "with `transformers.PreTrainedTokenizerFast.from_pretrained(dir)` or "
+        "`dsquant.data.load_tokenizer(dir)`, which keep tokenizer.json's pre-tokenizer.",
         "",
+    ]
+    if arch == "Qwen2ForCausalLM":
+        out += [
+            "**Tokenizer caveat:** transformers 5.17's `AutoTokenizer.from_pretrained(dir)` returns a "
+            "`Qwen2Tokenizer` for any `model_type: qwen2` directory and replaces tokenizer.json's "
+            "pre-tokenizer with Qwen2's (NFC, digits split one by one). That is not how this model "
+            "was trained: its perplexity is worse under it. Use the loaders above.",
+            "",
+        ]
+    out += [
         "## Config",
         "",
         f"`{arch}` (transformers {config.get('transformers_version', '?')}); "

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "dsquant" / "assets" / "tokenizer"
 
@@ -257,7 +257,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(TOKENIZER_DIR)  # tokenizer.json as written
     t0 = time.time()
     stream = token_stream(args.corpus, tokenizer).to(args.device)
     print(f"corpus: {stream.numel():,} tokens ({time.time() - t0:.1f}s)", flush=True)

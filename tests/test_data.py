@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from dsquant.assets import tokenizer_path
 from dsquant.data import (
@@ -12,6 +11,7 @@ from dsquant.data import (
     calibration_samples,
     eval_tokens,
     load_documents,
+    load_tokenizer,
     sliding_window_perplexity,
     sliding_windows,
 )
@@ -25,7 +25,7 @@ NGRAM = 32
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(tokenizer_path())
+    return load_tokenizer(tokenizer_path())
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,14 @@ def test_bundled_tokenizer_is_a_transformers_tokenizer_with_chat_template(tokeni
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text  # byte-level: lossless
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat.startswith(tokenizer.bos_token) and "hi" in chat
+
+
+def test_load_tokenizer_errors_name_the_path(tmp_path):
+    with pytest.raises(DsquantError, match=r"missing_dir: no such directory"):
+        load_tokenizer(tmp_path / "missing_dir")
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(DsquantError, match=r"empty_dir: no loadable tokenizer \(expected tokenizer\.json"):
+        load_tokenizer(tmp_path / "empty_dir")
 
 
 def test_calibration_samples_have_the_requested_shape(tokenizer):
