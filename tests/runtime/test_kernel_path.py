@@ -27,6 +27,11 @@ def tokens(path, kernels: bool, device: str = "cpu", dtype=torch.float32, engine
     return [done[i] for i in ids]
 
 
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
+                              reason="interpreter wiring test on CPU tensors; the gpu tests cover CUDA")
+
+
+@CPU_ONLY
 @pytest.mark.parametrize("family", ["llama", "deepseek_v2", "deepseek_v3"])
 def test_kernels_match_torch_path(family, tiny_models):
     _, path = tiny_models[family]
@@ -41,6 +46,7 @@ def wide_moe(tmp_path_factory):
     return path
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("scheme,fmt", [("awq", "int4"), ("fp8", "fp8"), ("gptq", "bf16")])
 def test_fused_moe_over_quantized_experts(scheme, fmt, wide_moe, tmp_path):
     quant, _ = write_pair(wide_moe, tmp_path, scheme)
