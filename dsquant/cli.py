@@ -72,6 +72,9 @@ def _register() -> None:
     from dsquant.runtime.cli import generate
 
     cli.add_command(generate)
+    from dsquant.runtime.server.cli_serve import serve
+
+    cli.add_command(serve)
     bench = register_bench()
     if bench.commands:
         cli.add_command(bench)

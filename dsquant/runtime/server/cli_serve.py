@@ -1,0 +1,100 @@
+"""`dsquant serve ARTIFACT`: the OpenAI-compatible server under uvicorn.
+
+SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up to
+--shutdown-timeout seconds, aborts what is left, stops the engine loop and exits 0. uvicorn
+would re-raise the signal after its graceful shutdown (exit status 143); dsquant's server class
+keeps the handling and drops the re-raise, since a drained shutdown is a clean exit.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import threading
+
+import click
+
+from dsquant.errors import DsquantError
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise DsquantError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.listen(2048)  # clients queue in the backlog while the model loads
+    return sock
+
+
+def run_server(app, sock: socket.socket, shutdown_timeout: float = 30.0, log_level: str = "warning") -> None:
+    """Serve `app` on an already bound socket until SIGTERM/SIGINT (in the main thread) or should_exit."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=shutdown_timeout)
+    Server(config).run(sockets=[sock])
+
+
+@click.command()
+@click.argument("artifact", type=str)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
+@click.option("--api-key", default=None, envvar="DSQUANT_API_KEY",
+              help="Require `Authorization: Bearer KEY` on /v1 routes (env DSQUANT_API_KEY).")
+@click.option("--served-model-name", default=None, help="Model name in the API. Default: the artifact's folder name.")
+@click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-model-len", default=None, type=click.IntRange(min=2), help="Default: the model config's.")
+@click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=0),
+              help="Requests that may wait beyond max-num-seqs running ones; more get 429.")
+@click.option("--gpu-memory-utilization", default=0.9, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True))
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Default: cuda when available.")
+@click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds in-flight requests get to finish after SIGTERM.")
+def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
+          max_num_seqs: int, max_model_len: int | None, max_queue: int, gpu_memory_utilization: float,
+          device: str | None, shutdown_timeout: float) -> None:
+    """Serve ARTIFACT (a checkpoint or artifact directory, or a bundled model name) over an OpenAI API."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise DsquantError(f"dsquant serve needs {e.name}: pip install 'dsquant[serve]'") from e
+    from dsquant.cli import resolve_model_dir
+    from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
+    from dsquant.runtime.server.app import create_app
+
+    sock = _bind(host, port)  # before loading, so a taken port fails fast
+    engine = LLMEngine(resolve_model_dir(artifact), EngineConfig(
+        device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization))
+    app = create_app(engine, model_name=served_model_name, api_key=api_key, max_queue=max_queue)
+    logger = logging.getLogger("dsquant.server")
+    logger.setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    bound_host, bound_port = sock.getsockname()[:2]
+    name = app.state.server.model_name
+    click.echo(f"dsquant serve: {name} on http://{bound_host}:{bound_port} (device {engine.device}, "
+               f"max_model_len {engine.max_model_len}, {engine.block_manager.num_blocks} KV blocks)", err=True)
+    run_server(app, sock, shutdown_timeout)
+    click.echo("dsquant serve: stopped", err=True)
