@@ -31,8 +31,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(app, sock: socket.socket, shutdown_timeout: float = 30.0, log_level: str = "warning") -> None:
-    """Serve `app` on an already bound socket until SIGTERM/SIGINT (in the main thread) or should_exit."""
+def build_server(app, shutdown_timeout: float = 30.0, log_level: str = "warning"):
+    """A uvicorn.Server for `app`: `.run(sockets=[sock])` serves until SIGTERM/SIGINT or `.should_exit`.
+
+    Signals are handled only when run in the main thread (tests run servers in other threads).
+    """
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -48,9 +51,8 @@ def run_server(app, sock: socket.socket, shutdown_timeout: float = 30.0, log_lev
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout)
-    Server(config).run(sockets=[sock])
+    return Server(uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                                 timeout_graceful_shutdown=shutdown_timeout))
 
 
 @click.command()
@@ -96,5 +98,5 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     name = app.state.server.model_name
     click.echo(f"dsquant serve: {name} on http://{bound_host}:{bound_port} (device {engine.device}, "
                f"max_model_len {engine.max_model_len}, {engine.block_manager.num_blocks} KV blocks)", err=True)
-    run_server(app, sock, shutdown_timeout)
+    build_server(app, shutdown_timeout).run(sockets=[sock])
     click.echo("dsquant serve: stopped", err=True)
