@@ -160,3 +160,45 @@ def test_metrics_use_vllm_names_and_count_the_requests(serve):
     assert get("prefix_cache_queries_total") == n_in  # every prompt token looked up once
     assert get("prefix_cache_hits_total") >= 32  # the second prompt shares >= 2 full blocks with the first
     assert get("kv_cache_usage_perc") == 0 and get("num_requests_waiting") == 0
+
+
+def test_concurrent_streams_each_get_their_own_tokens(llm, serve):
+    import asyncio
+
+    from dsquant.runtime.engine.sequence import SamplingParams
+
+    prompts = [f"Story {i}: once upon a time" for i in range(32)]
+    refs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+
+    async def one(c, prompt):
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) async for line in r.aiter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        return "".join(e["choices"][0]["text"] for e in events[:-1]), events[-1]["usage"]["completion_tokens"]
+
+    async def health_latencies(c, stop: asyncio.Event):
+        worst = 0.0
+        while not stop.is_set():
+            t0 = time.monotonic()
+            assert (await c.get("/health")).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            await asyncio.sleep(0.05)
+        return worst
+
+    async def main(url):
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c:
+            stop = asyncio.Event()
+            probe = asyncio.create_task(health_latencies(c, stop))
+            results = await asyncio.gather(*(one(c, p) for p in prompts))
+            stop.set()
+            return results, await probe
+
+    with serve() as (url, _):
+        results, worst_health = asyncio.run(main(url))
+    assert [r[1] for r in results] == [6] * len(prompts)
+    assert [r[0] for r in results] == [ref.text for ref in refs]
+    assert worst_health < 2.0, f"/health took {worst_health:.2f} s under load"
