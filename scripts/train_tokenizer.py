@@ -6,7 +6,8 @@
 Reproducible: the `tokenizers` BPE trainer is deterministic for a fixed input order, and the
 documents are fed in file order. The output is a transformers tokenizer directory
 (tokenizer.json + tokenizer_config.json with the chat template inline, not in a .jinja file),
-loadable with `transformers.AutoTokenizer.from_pretrained(dir)` offline. Special tokens follow
+loadable offline with `transformers.AutoTokenizer.from_pretrained(dir)` (or, inside a model dir,
+`dsquant.data.load_tokenizer(dir)`: see dsquant/data/tokenizer.py). Special tokens follow
 DeepSeek's names; the chat template follows DeepSeek-V3's turn markers.
 """
 import argparse
