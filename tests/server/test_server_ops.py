@@ -81,7 +81,7 @@ def test_full_queue_answers_429_and_health_stays_prompt(llm, serve, monkeypatch)
 def test_disconnect_aborts_the_request_and_frees_its_blocks(llm, serve, monkeypatch):
     wrap_step(monkeypatch, llm.engine, delay=0.02)  # 80 tokens take >= 1.6 s: the client leaves first
     engine = llm.engine
-    with serve() as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+    with serve() as (url, app), httpx.Client(base_url=url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json={**LONG_RUN, "stream": True}) as r:
             got = 0
             for line in r.iter_lines():
@@ -101,6 +101,7 @@ def test_disconnect_aborts_the_request_and_frees_its_blocks(llm, serve, monkeypa
         wait_for(lambda: metric(c, "dsquant:request_success_total", finished_reason="abort") == 2)
         wait_for(lambda: not engine.has_unfinished() and engine.block_manager.usage() == 0)
         assert metric(c, "dsquant:request_success_total", finished_reason="length") == 0
+        assert app.state.engine_loop.num_in_flight == 0  # both left the admission count
 
 
 def test_health_is_503_once_the_engine_loop_stops(serve):

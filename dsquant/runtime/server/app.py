@@ -144,6 +144,25 @@ def _sse(payload) -> str:
     return f"data: {body}\n\n"
 
 
+class _EventStream(StreamingResponse):
+    """Server-sent events whose `on_close` runs however the response ends.
+
+    When the client disconnects, Starlette cancels the response, possibly before the body
+    generator has started (so its own `finally` would never run); `on_close` aborts the
+    request and writes its log line in every case.
+    """
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | None = None,
                max_queue: int = 256) -> FastAPI:
     s = _Server(engine, model_name or engine.path.name, api_key, max_queue)
@@ -218,8 +237,13 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
                      time.monotonic() - arrival)
 
         if req.stream:
-            return StreamingResponse(_stream(req, ids, rid, handle, first, log_line, chat),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            state = {"status": 499, "n_out": 0}  # 499: the client left before the end
+
+            def on_close() -> None:  # however the stream ended: abort if unfinished, then log
+                handle.close()
+                log_line(state["status"], state["n_out"])
+
+            return _EventStream(_stream(req, ids, rid, handle, first, state, chat), on_close)
         try:
             final = await _collect(request, handle, first)
         except RequestRejected as e:
@@ -241,8 +265,8 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
         return P.CompletionResponse(id=rid, model=s.model_name, usage=usage, choices=[
             P.CompletionChoice(text=final.text, finish_reason=final.finish_reason)])
 
-    async def _stream(req, ids, rid, handle: RequestHandle, first: list[float], log_line, chat: bool):
-        created, n_out, status = int(time.time()), 0, 499
+    async def _stream(req, ids, rid, handle: RequestHandle, first: list[float], state: dict, chat: bool):
+        created = int(time.time())
         if chat:
             def chunk(text=None, finish=None, role=None, usage=None, choices=True):
                 c = [P.ChatChunkChoice(delta=P.ChatDelta(role=role, content=text), finish_reason=finish)]
@@ -259,19 +283,16 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
             async for out in handle.outputs():
                 if not first:
                     first.append(time.monotonic())
-                n_out = len(out.token_ids)
+                state["n_out"] = len(out.token_ids)
                 if out.delta_text or out.finished:
                     yield _sse(chunk(text=out.delta_text, finish=out.finish_reason))
             if req.include_usage:
-                yield _sse(chunk(usage=P.Usage.of(len(ids), n_out), choices=False))
+                yield _sse(chunk(usage=P.Usage.of(len(ids), state["n_out"]), choices=False))
             yield _sse("[DONE]")
-            status = 200
+            state["status"] = 200
         except (RequestRejected, EngineUnavailable) as e:
-            status = 400 if isinstance(e, RequestRejected) else 503
+            state["status"] = status = 400 if isinstance(e, RequestRejected) else 503
             yield _sse(json.dumps(P.error_body(str(e), _ERROR_TYPES[status], status)))
             yield _sse("[DONE]")
-        finally:  # also on cancellation, when the client disconnects: close() aborts the request
-            handle.close()
-            log_line(status, n_out)
 
     return app
