@@ -164,3 +164,28 @@ def test_api_key_is_required_on_v1_routes(serve):
         ok = {"Authorization": "Bearer sekret"}
         assert c.post("/v1/completions", json=body, headers=ok).status_code == 200
         assert c.get("/v1/models", headers=ok).status_code == 200
+
+
+def test_the_official_openai_client_streams_and_not(llm, serve):
+    openai = pytest.importorskip("openai")
+    ref = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
+    with serve(api_key="k") as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert out.choices[0].text == ref.text and out.usage.completion_tokens == len(ref.token_ids)
+        stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+        assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=4, temperature=0)
+        assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 4
+        deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, stream=True)]
+        assert "".join(deltas) == chat.choices[0].message.content
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt=PROMPT)
+        assert [m.id for m in client.models.list()] == [MODEL]
