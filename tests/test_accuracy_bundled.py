@@ -15,6 +15,7 @@ from dsquant.models import load_model
 
 EVAL_TOKENS = 12288
 WINDOW = 512
+STRIDE = 256
 RECIPES = ("rtn-w4g128", "awq-w4g128", "gptq-w4g128", "fp8-block")
 
 pytestmark = pytest.mark.skipif(len(bundled_models()) < 2, reason="bundled models not in this checkout")
@@ -25,16 +26,16 @@ def perplexities(model_dir, tokenizer) -> dict[str, float]:
     out = {}
     for name in ("eval_prose", "eval_code"):
         tokens = eval_tokens(tokenizer, name, max_tokens=EVAL_TOKENS)
-        out[name] = sliding_window_perplexity(lambda ids: model(ids), tokens, WINDOW, WINDOW).value
+        out[name] = sliding_window_perplexity(lambda ids: model(ids), tokens, WINDOW, STRIDE).value
     return out
 
 
 @pytest.fixture(scope="module", params=["dsq-tiny-v3", "dsq-tiny-qwen2"])
 def results(request, tmp_path_factory):
-    from transformers import AutoTokenizer
+    from dsquant.data.tokenizer import load_tokenizer
 
     base = bundled_model_path(request.param)
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    tokenizer = load_tokenizer(base)
     root = tmp_path_factory.mktemp(request.param)
     table = {"bf16": perplexities(base, tokenizer)}
     for recipe in RECIPES:

@@ -190,17 +190,24 @@ def test_eval_stream_frames_each_document_and_decodes_to_it(tokenizer):
         eval_tokens(tokenizer, "eval_poetry")
 
 
-@pytest.mark.parametrize("n_tokens,window,stride", [(2048, 512, 256), (1000, 512, 256), (700, 128, 128), (5, 512, 100)])
+@pytest.mark.parametrize("n_tokens,window,stride", [(2048, 512, 256), (1000, 512, 256), (700, 128, 127), (5, 512, 100)])
 def test_sliding_windows_score_every_target_once_with_enough_context(n_tokens, window, stride):
     windows = sliding_windows(n_tokens, window, stride)
     scored = []
     for w in windows:
         assert w.end - w.start <= window
         first_target = w.end - w.n_scored
+        assert first_target >= w.start + 1  # a window cannot predict its own first token
         if w.start > 0:
             assert first_target - w.start >= window - stride  # context before the first scored target
         scored.extend(range(first_target, w.end))
     assert scored == list(range(1, n_tokens))
+
+
+@pytest.mark.parametrize("stride", [0, 512, 600])
+def test_sliding_windows_refuse_a_stride_that_leaves_targets_unpredicted(stride):
+    with pytest.raises(DsquantError, match="0 < stride < window"):
+        sliding_windows(2048, 512, stride)
 
 
 def test_sliding_window_perplexity_scores_the_right_targets():

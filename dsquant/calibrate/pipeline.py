@@ -100,10 +100,10 @@ def run_quantize(args: QuantizeArgs, progress=None) -> QuantizeReport:
         raise DsquantError("--device cuda: no CUDA device is available")
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     from dsquant.data import calibration_samples
+    from dsquant.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
 
     samples = calibration_samples(tokenizer, args.n_samples, args.seqlen, args.seed, source=args.calib)
     data_hash = hashlib.sha256(samples.numpy().tobytes()).hexdigest()

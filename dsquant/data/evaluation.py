@@ -38,8 +38,9 @@ class EvalWindow:
 
 def sliding_windows(n_tokens: int, window: int, stride: int) -> list[EvalWindow]:
     """Windows over a stream of n_tokens so that targets 1 .. n_tokens - 1 are each scored once."""
-    if not 0 < stride <= window:
-        raise DsquantError(f"perplexity needs 0 < stride <= window (got stride={stride}, window={window})")
+    if not 0 < stride < window:
+        # stride == window would leave each window's first token unpredicted by any window
+        raise DsquantError(f"perplexity needs 0 < stride < window (got stride={stride}, window={window})")
     windows, scored_to = [], 1  # targets [1, scored_to) are scored
     for start in range(0, n_tokens - 1, stride):
         end = min(start + window, n_tokens)
