@@ -106,13 +106,13 @@ class EngineLoop:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                arrival: float) -> RequestHandle:
-        if self._in_flight >= self.max_num_seqs + self.max_queue:
-            raise QueueFull(f"{self._in_flight} requests in flight; the limit is max_num_seqs "
-                            f"{self.max_num_seqs} + max_queue {self.max_queue}")
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if not self.alive:
                 raise EngineUnavailable("the engine loop is not running")
+            if self._in_flight >= self.max_num_seqs + self.max_queue:
+                raise QueueFull(f"{self._in_flight} requests in flight; the limit is max_num_seqs "
+                                f"{self.max_num_seqs} + max_queue {self.max_queue}")
             self._inbox.put(("add", request_id, prompt_ids, params, _Tracked(q, arrival, len(prompt_ids))))
         self._in_flight += 1
         return RequestHandle(self, request_id, q)
