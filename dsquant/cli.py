@@ -66,15 +66,12 @@ def inspect(model_dir: str, as_json: bool) -> None:
 def _register() -> None:
     from dsquant.bench import register as register_bench
     from dsquant.calibrate.cli_quantize import quantize
-
-    cli.add_command(quantize)
-
     from dsquant.runtime.cli import generate
-
-    cli.add_command(generate)
     from dsquant.runtime.server.cli_serve import serve
+    from dsquant.validate.cli_validate import demo, validate
 
-    cli.add_command(serve)
+    for command in (quantize, serve, validate, generate, demo):
+        cli.add_command(command)
     bench = register_bench()
     if bench.commands:
         cli.add_command(bench)

@@ -118,7 +118,8 @@ def quantize_int_groupwise(w: torch.Tensor, group_size: int, bits: int = 4, symm
     w [N, K] -> (q int32 [N, K] codes in 0..2^bits-1, scales fp32 [N, K/G], zeros int32 [N, K/G]).
     Asymmetric: scale = (max - min) / (2^b - 1), zero = round(-min / scale). Symmetric (as GPTQ
     does it): zero = 2^(b-1), scale = 2 * absmax / (2^b - 1).
-    `clip_ratio` (scalar or [N, K/G]) shrinks the range before the scale is computed (AWQ clip).
+    `clip_ratio` (scalar or [N, K/G]) clamps each group to +-absmax * ratio before the scale is
+    computed (AWQ's clip search).
     """
     n, k = w.shape
     if k % group_size:
@@ -131,8 +132,10 @@ def quantize_int_groupwise(w: torch.Tensor, group_size: int, bits: int = 4, symm
         scales = (amax * 2 / qmax).clamp(min=1e-8)
         zeros = torch.full_like(scales, (qmax + 1) // 2, dtype=torch.int32)
     else:
-        wmax = wg.amax(-1).clamp(min=0) * ratio
-        wmin = wg.amin(-1).clamp(max=0) * ratio
+        # clip as AWQ does: clamp the group to +-absmax * ratio, so only the wider side shrinks
+        bound = wg.abs().amax(-1) * ratio
+        wmax = torch.minimum(wg.amax(-1).clamp(min=0), bound)
+        wmin = torch.maximum(wg.amin(-1).clamp(max=0), -bound)
         scales = ((wmax - wmin) / qmax).clamp(min=1e-8)
         zeros = torch.round(-wmin / scales).clamp(0, qmax).to(torch.int32)
     q = torch.round(wg / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)

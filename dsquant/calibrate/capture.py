@@ -32,8 +32,9 @@ class Captured:
 class LayerCapture:
     """Context manager: hooks on a layer's Linears (`names` maps module -> full name)."""
 
-    def __init__(self, layer: nn.Module, prefix: str, gptq_names: set[str], max_rows: int):
+    def __init__(self, layer: nn.Module, prefix: str, gptq_names: set[str], max_rows: int, stride: int = 1):
         self.layer, self.prefix, self.max_rows = layer, prefix, max_rows
+        self.stride = max(1, stride)  # keep every stride-th row, so rows spread over all samples
         self.gptq_names = gptq_names
         self.data = Captured()
         self.handles = []
@@ -48,7 +49,7 @@ class LayerCapture:
                 acc.add(x)
             have = self.data.counts.get(name, 0)
             if have < self.max_rows and x.shape[0]:
-                take = x[: self.max_rows - have]
+                take = x[:: self.stride][: self.max_rows - have]
                 self.data.rows.setdefault(name, []).append(take.clone())
                 self.data.counts[name] = have + take.shape[0]
         return hook
@@ -58,7 +59,7 @@ class LayerCapture:
             x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
             have = sum(t.shape[0] for t in self.data.moe_inputs.get(name, []))
             if have < self.max_rows:
-                self.data.moe_inputs.setdefault(name, []).append(x[: self.max_rows - have].clone())
+                self.data.moe_inputs.setdefault(name, []).append(x[:: self.stride][: self.max_rows - have].clone())
         return hook
 
     def __enter__(self) -> Captured:

@@ -98,7 +98,9 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
             from dsquant.errors import ConfigError
             raise ConfigError(f"recipe {recipe.name}: group_size {s.group_size} does not divide "
                               f"in_features {linears[n].weight.shape[1]} of {n}")
-    with LayerCapture(layer, prefix, gptq_names, recipe.awq.max_tokens) as data:
+    n_tokens = hidden.shape[0] * hidden.shape[1]
+    stride = max(1, n_tokens // recipe.awq.max_tokens)
+    with LayerCapture(layer, prefix, gptq_names, recipe.awq.max_tokens, stride) as data:
         _forward(layer, hidden, ctx, batch)
     fallback = []
     if isinstance(layer.mlp, MoE):

@@ -1,0 +1,86 @@
+"""`dsquant validate` and `dsquant demo`."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+DEMO_RECIPES = ("awq-w4g128", "gptq-w4g128", "fp8-block", "mixed-fp8attn-w4experts")
+
+
+def _device(device: str | None) -> str:
+    import torch
+
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _finish(rows, paths) -> None:
+    from dsquant.validate.report import table
+
+    sets = list(rows[0].accuracy)
+    click.echo(table(rows, sets))
+    for key, path in paths.items():
+        click.echo(f"{key}: {path}")
+    failed = [r.name for r in rows if r.failed_gate]
+    if failed:
+        click.echo(f"failed --max-ppl-increase: {', '.join(failed)}", err=True)
+        sys.exit(1)
+
+
+@click.command()
+@click.argument("artifacts", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("--baseline", required=True, type=click.Path(path_type=str), help="The unquantized checkpoint.")
+@click.option("--eval", "eval_set", default="bundled", show_default=True,
+              help="'bundled' (eval_prose + eval_code) or a .txt/.jsonl/.parquet/saved-dataset path.")
+@click.option("--max-ppl-increase", type=float, default=None, help="Exit 1 if an artifact's perplexity rises more (%).")
+@click.option("--out", "out_dir", default="dsquant-validate", show_default=True, type=click.Path(path_type=str))
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Default: cuda if present.")
+@click.option("--window", default=2048, show_default=True, type=int, help="Perplexity window (tokens).")
+@click.option("--stride", default=None, type=int, help="Window stride (default: window / 2).")
+@click.option("--max-eval-tokens", default=None, type=int, help="Evaluate only the first N tokens of each set.")
+@click.option("--no-latency", is_flag=True, help="Accuracy only.")
+def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, window, stride,
+             max_eval_tokens, no_latency):
+    """Accuracy (perplexity, KL, top-1) against latency (TTFT, TPOT, tok/s) for each ARTIFACT."""
+    from dsquant.validate.runner import ValidateArgs, run_validate, set_cpu_threads
+
+    device = _device(device)
+    if device == "cpu":
+        set_cpu_threads()
+    args = ValidateArgs(list(artifacts), baseline, eval_set, max_ppl_increase, out_dir, device, window,
+                        stride, max_eval_tokens, not no_latency)
+    _finish(*run_validate(args, log=lambda m: click.echo(m, err=True)))
+
+
+@click.command()
+@click.option("--out", "out_dir", default="dsquant-demo", show_default=True, type=click.Path(path_type=str))
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Default: cuda if present.")
+def demo(out_dir, device):
+    """Quantize the bundled dsq-tiny-v3 four ways and validate them all against BF16 (offline)."""
+    from dsquant.assets import bundled_model_path
+    from dsquant.calibrate.pipeline import QuantizeArgs, run_quantize
+    from dsquant.validate.runner import ValidateArgs, run_validate, set_cpu_threads
+
+    device = _device(device)
+    if device == "cpu":
+        set_cpu_threads()
+    base = bundled_model_path("dsq-tiny-v3")
+    root = Path(out_dir)
+    t0 = time.time()
+    arts = []
+    for recipe in DEMO_RECIPES:
+        out = root / recipe
+        if (out / "dsquant.json").is_file():
+            click.echo(f"{recipe}: reusing {out}", err=True)
+        else:
+            click.echo(f"quantize {recipe} -> {out}", err=True)
+            run_quantize(QuantizeArgs(str(base), recipe, str(out), n_samples=32, seqlen=512, device=device))
+        arts.append(str(out))
+    click.echo(f"quantized in {time.time() - t0:.0f} s", err=True)
+    # dsq-tiny-v3 was trained on 512-token sequences: its context for evaluation
+    args = ValidateArgs(arts, str(base), "bundled", None, str(root / "report"), device, window=512, stride=256,
+                        max_eval_tokens=16384)
+    _finish(*run_validate(args, log=lambda m: click.echo(m, err=True)))
+    click.echo(f"demo finished in {time.time() - t0:.0f} s", err=True)

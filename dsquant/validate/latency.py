@@ -1,0 +1,89 @@
+"""Latency of a model through the serving engine, the same settings for every artifact.
+
+- TTFT: one request with a `ttft_input`-token prompt and one output token, median of repeats.
+- TPOT: one request (batch 1), `tpot_output` tokens: (end - first token) / (tokens - 1), median.
+- Throughput: B concurrent requests (input `throughput_input`, output `throughput_output`,
+  ignore_eos), output tokens per second of wall time, for each B in `batch_sizes`.
+Prompts are random token ids drawn from a fixed seed, so every artifact sees the same ones.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
+from dsquant.runtime.engine.sequence import SamplingParams
+
+
+@dataclass
+class LatencySpec:
+    ttft_input: int = 512
+    tpot_output: int = 64
+    throughput_input: int = 512
+    throughput_output: int = 256
+    batch_sizes: tuple[int, ...] = (8, 32, 64)
+    repeats: int = 3
+
+    @staticmethod
+    def for_device(device: str) -> "LatencySpec":
+        """The issue's sizes on a GPU; smaller outputs on CPU, where figures are labelled CPU."""
+        if device == "cuda":
+            return LatencySpec()
+        return LatencySpec(ttft_input=512, tpot_output=16, throughput_input=128, throughput_output=16,
+                           batch_sizes=(8, 32, 64), repeats=2)
+
+
+@dataclass
+class LatencyResult:
+    device: str
+    spec: dict
+    ttft_s: float
+    tpot_s: float
+    throughput_tok_s: dict[int, float] = field(default_factory=dict)
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n, length), generator=g).tolist()
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
+    """Run prompts to completion; returns (first-token times, finish times, output tokens, start)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    first, end, produced = {}, {}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            produced[out.request_id] = len(out.token_ids)
+            if out.finished:
+                end[out.request_id] = now
+    return [first[i] for i in ids], [end[i] for i in ids], sum(produced.values()), start
+
+
+def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtype | None = None,
+                    max_num_seqs: int = 64) -> LatencyResult:
+    longest = max(spec.ttft_input + 1, spec.throughput_input + spec.throughput_output, spec.tpot_output + 9)
+    engine = LLMEngine(path, EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                                          max_model_len=longest + 16, enable_prefix_caching=False,
+                                          max_num_batched_tokens=max(2048, spec.ttft_input)))
+    vocab = engine.model.config.vocab_size
+    _run(engine, _prompts(1, 8, vocab, 99), 2)  # warm-up: compile, graphs, allocator
+    ttfts, tpots = [], []
+    for r in range(spec.repeats):
+        first, _, _, start = _run(engine, _prompts(1, spec.ttft_input, vocab, r), 1)
+        ttfts.append(first[0] - start)
+        first, end, n, _ = _run(engine, _prompts(1, 8, vocab, 100 + r), spec.tpot_output)
+        tpots.append((end[0] - first[0]) / max(n - 1, 1))
+    throughput = {}
+    for b in spec.batch_sizes:
+        _, end, n, start = _run(engine, _prompts(b, spec.throughput_input, vocab, 1000 + b), spec.throughput_output)
+        throughput[b] = n / (max(end) - start)
+    del engine
+    return LatencyResult(device, asdict(spec), statistics.median(ttfts), statistics.median(tpots), throughput)

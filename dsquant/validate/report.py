@@ -1,0 +1,145 @@
+"""The validate report: a terminal table, report.md, report.json and accuracy_vs_latency.png.
+
+The plot puts each artifact and the baseline at (output tokens/s at the largest batch,
+perplexity increase over the baseline in %) and marks the Pareto front: the points no other
+point beats on both speed and accuracy.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ArtifactRow:
+    name: str
+    path: str
+    method: str
+    disk_bytes: int
+    accuracy: dict  # set name -> SetAccuracy as dict
+    latency: dict | None  # LatencyResult as dict
+    ppl_increase_pct: float = 0.0  # mean over sets of the perplexity increase
+    failed_gate: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def throughput(row: ArtifactRow) -> float | None:
+    if not row.latency or not row.latency["throughput_tok_s"]:
+        return None
+    tp = row.latency["throughput_tok_s"]
+    return float(tp[max(tp, key=lambda b: int(b))])
+
+
+def pareto(rows: list[ArtifactRow]) -> set[str]:
+    """Names of rows not dominated in (higher throughput, lower perplexity increase)."""
+    pts = [(r.name, throughput(r), r.ppl_increase_pct) for r in rows if throughput(r) is not None]
+    front = set()
+    for name, tp, inc in pts:
+        if not any(t2 >= tp and i2 <= inc and (t2 > tp or i2 < inc) for n2, t2, i2 in pts if n2 != name):
+            front.add(name)
+    return front
+
+
+def _fmt_iv(iv: dict | None, digits: int = 3) -> str:
+    if not iv:
+        return "-"
+    return f"{iv['value']:.{digits}f} [{iv['low']:.{digits}f}, {iv['high']:.{digits}f}]"
+
+
+def table(rows: list[ArtifactRow], sets: list[str]) -> str:
+    head = ["artifact", "method", "size"] + [f"ppl {s}" for s in sets] + \
+           ["ppl +%", "KL mean", "KL p99", "top-1", "TTFT ms", "TPOT ms", "tok/s"]
+    lines = [head]
+    for r in rows:
+        acc = [r.accuracy[s] for s in sets]
+        first = acc[0]
+        lat = r.latency or {}
+        tp = throughput(r)
+        lines.append([r.name + (" !" if r.failed_gate else ""), r.method, f"{r.disk_bytes / 1e6:.1f}MB"]
+                     + [f"{a['perplexity']['value']:.3f}" for a in acc]
+                     + [f"{r.ppl_increase_pct:+.2f}",
+                        f"{first['kl_mean']['value']:.4f}" if first.get("kl_mean") else "-",
+                        f"{first['kl_p99']:.4f}" if first.get("kl_p99") is not None else "-",
+                        f"{first['top1_agreement']['value']:.3f}" if first.get("top1_agreement") else "-",
+                        f"{lat['ttft_s'] * 1e3:.1f}" if lat else "-",
+                        f"{lat['tpot_s'] * 1e3:.2f}" if lat else "-",
+                        f"{tp:.0f}" if tp else "-"])
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in lines)
+
+
+def _markdown(rows: list[ArtifactRow], sets: list[str], meta: dict) -> str:
+    out = [f"# dsquant validate report", "",
+           f"Baseline `{meta['baseline']}`; device {meta['device_label']}; {meta['date']}.", "",
+           "## Accuracy (95% intervals over windows)", "",
+           "| artifact | set | perplexity | KL mean | KL p99 | top-1 agreement |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        for s in sets:
+            a = r.accuracy[s]
+            out.append(f"| {r.name} | {s} ({a['tokens']} tokens, window {a['window']}, stride {a['stride']}) | "
+                       f"{_fmt_iv(a['perplexity'])} | {_fmt_iv(a.get('kl_mean'), 4)} | "
+                       f"{a['kl_p99']:.4f} | {_fmt_iv(a.get('top1_agreement'))} |" if a.get("kl_mean") else
+                       f"| {r.name} | {s} ({a['tokens']} tokens, window {a['window']}, stride {a['stride']}) | "
+                       f"{_fmt_iv(a['perplexity'])} | - | - | - |")
+    out += ["", f"## Latency ({meta['device_label']})", "",
+            "| artifact | TTFT (input {0}) ms | TPOT (batch 1) ms | {1} |".format(
+                meta["spec"]["ttft_input"], " | ".join(f"tok/s @ batch {b}" for b in meta["spec"]["batch_sizes"])),
+            "| --- | --- | --- | " + " | ".join("---" for _ in meta["spec"]["batch_sizes"]) + " |"]
+    for r in rows:
+        if r.latency:
+            tp = r.latency["throughput_tok_s"]
+            out.append(f"| {r.name} | {r.latency['ttft_s'] * 1e3:.1f} | {r.latency['tpot_s'] * 1e3:.2f} | "
+                       + " | ".join(f"{tp[b]:.0f}" for b in tp) + " |")
+    out += ["", "## Summary", "", "```", table(rows, sets), "```", ""]
+    notes = [f"- {r.name}: {n}" for r in rows for n in r.notes] + [f"- {n}" for n in meta.get("notes", [])]
+    if notes:
+        out += ["## Notes", ""] + notes + [""]
+    return "\n".join(out)
+
+
+def plot(rows: list[ArtifactRow], path: Path, device_label: str) -> bool:
+    """accuracy_vs_latency.png; False if matplotlib is missing or no row has latency."""
+    pts = [(r, throughput(r)) for r in rows if throughput(r) is not None]
+    if not pts:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    front = pareto(rows)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r, tp in pts:
+        ax.scatter(tp, r.ppl_increase_pct, s=60, marker="*" if r.name in front else "o",
+                   color="tab:red" if r.name in front else "tab:blue")
+        ax.annotate(r.name, (tp, r.ppl_increase_pct), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    fr = sorted([(tp, r.ppl_increase_pct) for r, tp in pts if r.name in front])
+    if len(fr) > 1:
+        ax.plot([p[0] for p in fr], [p[1] for p in fr], "--", color="tab:red", label="Pareto front")
+        ax.legend()
+    ax.set_xlabel(f"output tokens/s at the largest batch ({device_label})")
+    ax.set_ylabel("perplexity increase over baseline (%)")
+    ax.set_title("dsquant: accuracy vs throughput")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
+
+
+def write_report(rows: list[ArtifactRow], sets: list[str], meta: dict, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out_dir / "report.md", "json": out_dir / "report.json",
+             "png": out_dir / "accuracy_vs_latency.png"}
+    payload = {"meta": meta, "sets": sets, "pareto_front": sorted(pareto(rows)), "rows": [asdict(r) for r in rows]}
+    for key, text in (("json", json.dumps(payload, indent=1, default=str)), ("md", _markdown(rows, sets, meta))):
+        tmp = paths[key].with_name(paths[key].name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, paths[key])
+    if not plot(rows, paths["png"], meta["device_label"]):
+        paths.pop("png")
+    return paths

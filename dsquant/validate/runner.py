@@ -1,0 +1,135 @@
+"""`dsquant validate`: each artifact against the baseline, accuracy and latency side by side."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from dsquant.errors import DsquantError
+from dsquant.models.layers import Backends
+from dsquant.validate.accuracy import compare
+from dsquant.validate.latency import LatencySpec, measure_latency
+from dsquant.validate.report import ArtifactRow, write_report
+
+BUNDLED_EVAL = ("eval_prose", "eval_code")
+
+
+@dataclass
+class ValidateArgs:
+    artifacts: list[str]
+    baseline: str
+    eval: str = "bundled"  # "bundled" or a path (.txt, .jsonl, .parquet, saved dataset)
+    max_ppl_increase: float | None = None  # percent
+    out_dir: str = "dsquant-validate"
+    device: str = "cpu"
+    window: int = 2048  # capped at the model's max_position_embeddings
+    stride: int | None = None  # default: window / 2
+    max_eval_tokens: int | None = None
+    latency: bool = True
+    latency_spec: LatencySpec | None = None  # None: LatencySpec.for_device(device)
+
+
+def _runtime_model(path: str, device: str):
+    """The model as the server builds it (quantized methods; fused MoE on CUDA), eager attention."""
+    from dsquant.runtime.loader import load_runtime_model
+
+    backends, prepare = Backends(), None
+    if device == "cuda":
+        from dsquant.runtime.layers.moe import FusedMoE
+
+        moe = FusedMoE()
+        backends, prepare = Backends(moe=moe), moe.prepare
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return load_runtime_model(path, backends, dtype=dtype, device=device, prepare_layer=prepare)
+
+
+def _method(path: str) -> str:
+    manifest = Path(path) / "dsquant.json"
+    if manifest.is_file():
+        return json.loads(manifest.read_text())["recipe"]["name"]
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return (cfg.get("quantization_config") or {}).get("quant_method", "bf16")
+
+
+def _disk_bytes(path: str) -> int:
+    return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+
+
+def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict[str, Path]]:
+    from dsquant.cli import resolve_model_dir
+    from dsquant.data import eval_tokens
+    from dsquant.data.tokenizer import load_tokenizer
+
+    baseline = resolve_model_dir(args.baseline)
+    paths = [resolve_model_dir(a) for a in args.artifacts]
+    for p in [baseline, *paths]:
+        if not Path(p, "config.json").is_file():
+            raise DsquantError(f"{p}: not a checkpoint directory (config.json missing)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise DsquantError("--device cuda: no CUDA device is available")
+    from dsquant.config import load_config
+
+    window = min(args.window, load_config(baseline).max_position_embeddings)
+    stride = args.stride or window // 2
+    tokenizer = load_tokenizer(baseline)
+    sets = list(BUNDLED_EVAL) if args.eval == "bundled" else [args.eval]
+    streams = {s: eval_tokens(tokenizer, s, max_tokens=args.max_eval_tokens) for s in sets}
+    names = [Path(p).name for p in paths]
+    if len(set(names)) != len(names):
+        names = [f"{i}:{n}" for i, n in enumerate(names)]
+    device_label = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    spec = args.latency_spec or LatencySpec.for_device(args.device)
+
+    log(f"baseline {baseline}")
+    base_model = _runtime_model(baseline, args.device)
+    rows: list[ArtifactRow] = []
+    base_acc = {}
+    for name, path in zip(names, paths):
+        log(f"accuracy: {name}")
+        model = _runtime_model(path, args.device)
+        acc = {}
+        for s, tokens in streams.items():
+            base, res = compare(base_model, {name: model}, tokens, s, window, stride, args.device)
+            base_acc[s], acc[s] = base, res[name]
+        del model
+        inc = sum(acc[s].perplexity.value / base_acc[s].perplexity.value - 1 for s in sets) / len(sets) * 100
+        rows.append(ArtifactRow(name, path, _method(path), _disk_bytes(path),
+                                {s: asdict(a) for s, a in acc.items()}, None, inc))
+    del base_model
+    rows.insert(0, ArtifactRow("baseline", baseline, "bf16", _disk_bytes(baseline),
+                               {s: asdict(a) for s, a in base_acc.items()}, None, 0.0))
+    if args.latency:
+        for row in rows:
+            log(f"latency: {row.name}")
+            dtype = torch.bfloat16 if args.device == "cuda" else torch.float32  # one dtype for all rows
+            row.latency = asdict(measure_latency(row.path, args.device, spec, dtype=dtype))
+    for row in rows[1:]:
+        if args.max_ppl_increase is not None and row.ppl_increase_pct > args.max_ppl_increase:
+            row.failed_gate = True
+            row.notes.append(f"perplexity increase {row.ppl_increase_pct:.2f}% exceeds "
+                             f"--max-ppl-increase {args.max_ppl_increase}%")
+    meta = {"baseline": baseline, "device": args.device, "device_label": device_label,
+            "date": date.today().isoformat(), "window": window, "stride": stride,
+            "spec": asdict(spec), "torch": torch.__version__,
+            "notes": _peer_notes()}
+    return rows, write_report(rows, sets, meta, Path(args.out_dir))
+
+
+def _peer_notes() -> list[str]:
+    notes = []
+    try:
+        import bitsandbytes  # noqa: F401
+        notes.append("bitsandbytes is installed but its NF4/INT8 peers are not wired in yet")
+    except ImportError:
+        notes.append("bitsandbytes not installed: its NF4/INT8 peers were not run")
+    return notes
+
+
+def set_cpu_threads() -> None:
+    """On CPU, oversubscribed BLAS threads cost more than they give for small models."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
