@@ -17,10 +17,7 @@ EVAL_TOKENS = 12288
 WINDOW = 512
 STRIDE = 256
 RECIPES = ("rtn-w4g128", "awq-w4g128", "gptq-w4g128", "fp8-block")
-# Measured misses, kept visible: strict xfail turns into a failure the day they pass.
-# dsq-tiny-v3 eval_prose, 2026-11-29: bf16 67.07, RTN 69.96, AWQ 70.36, GPTQ 69.18.
-KNOWN_MISSES = {("dsq-tiny-v3", "awq-w4g128", "eval_prose"):
-                "AWQ's scale/clip search on this 256-wide model loses to RTN on held-out prose"}
+KNOWN_MISSES: dict[tuple[str, str, str], str] = {}  # (model, method, set) -> reason; strict xfail
 
 pytestmark = pytest.mark.skipif(len(bundled_models()) < 2, reason="bundled models not in this checkout")
 

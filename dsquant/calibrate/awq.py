@@ -45,34 +45,45 @@ def _x_mean(members: list[Member]) -> torch.Tensor:
     return xs.abs().mean(0)
 
 
-def search_scales(members: list[Member], opts: AWQOptions, scale_dtype: torch.dtype) -> torch.Tensor:
-    """Best per-input-channel scale s [K] for the group (ones if no member is an INT scheme)."""
+def candidate_scales(members: list[Member], opts: AWQOptions):
+    """The grid of per-input-channel scales s [K] (a in 0, 1/grid, ..., duo scaling)."""
+    x_mean = _x_mean(members).clamp(min=1e-6)
+    w_mean = _w_mean(members).clamp(min=1e-6)
+    for i in range(opts.grid):
+        a = i / opts.grid
+        s = x_mean.pow(a) / w_mean.pow(1 - a) if opts.duo_scaling else x_mean.pow(a)
+        yield (s / (s.max() * s.min()).sqrt()).clamp(min=1e-4)
+
+
+def search_scales(members: list[Member], opts: AWQOptions, scale_dtype: torch.dtype,
+                  block_loss=None) -> torch.Tensor:
+    """Best per-input-channel scale s [K] for the group (ones if no member is an INT scheme).
+
+    block_loss(weights: {name: W' [N, K]}) -> float, when given, scores the members' scaled
+    fake-quantized weights by the output of the block they feed (AWQ's module-to-inspect);
+    otherwise the loss is the MSE of the members' own outputs on their captured inputs.
+    """
     k = members[0].weight.shape[1]
     device = members[0].weight.device
     if not any(m.spec.is_int for m in members) or not any(m.x.numel() for m in members):
         return torch.ones(k, device=device)
-    x_mean = _x_mean(members).clamp(min=1e-6)
-    w_mean = _w_mean(members).clamp(min=1e-6)
     refs = [m.x @ m.weight.t() for m in members]  # [T_m, N_m]
     total = sum(r.numel() for r in refs)
     best, best_loss = torch.ones(k, device=device), float("inf")
-    for i in range(opts.grid):
-        a = i / opts.grid
-        s = x_mean.pow(a) / w_mean.pow(1 - a) if opts.duo_scaling else x_mean.pow(a)
-        s = (s / (s.max() * s.min()).sqrt()).clamp(min=1e-4)
-        loss = 0.0
-        for m, ref in zip(members, refs):
-            if m.x.numel():
-                w_q = fake_quant(m.weight * s, m.spec, scale_dtype) / s
-                loss += float((m.x @ w_q.t() - ref).pow(2).sum())
-        loss /= max(total, 1)
+    for s in candidate_scales(members, opts):
+        quantized = {m.name: fake_quant(m.weight * s, m.spec, scale_dtype) / s for m in members}
+        if block_loss is not None:
+            loss = block_loss(quantized)
+        else:
+            loss = sum(float((m.x @ quantized[m.name].t() - ref).pow(2).sum())
+                       for m, ref in zip(members, refs) if m.x.numel()) / max(total, 1)
         if loss < best_loss:
             best, best_loss = s, loss
     return best
 
 
 def search_clip(x: torch.Tensor, w: torch.Tensor, spec: SchemeSpec, opts: AWQOptions,
-                scale_dtype: torch.dtype, max_tokens: int = 512) -> torch.Tensor:
+                scale_dtype: torch.dtype, max_tokens: int = 4096) -> torch.Tensor:
     """Per (output row, group) shrink ratio [N, K/G] minimising that group's output error."""
     n, k = w.shape
     g = spec.group_size

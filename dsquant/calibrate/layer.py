@@ -87,6 +87,26 @@ def _forward(layer: nn.Module, hidden: torch.Tensor, ctx, batch: int) -> torch.T
     return out
 
 
+def _layer_output_loss(layer, linears, hidden, ctx, recipe: Recipe, batch: int):
+    """AWQ's module-to-inspect, at the decoder-layer level: MSE of the layer's output on a few
+    calibration sequences with the candidate weights swapped in for the group's members."""
+    inspect = hidden[: recipe.awq.inspect_samples]  # [k, T, H]
+    ref = _forward(layer, inspect, ctx, batch).to(torch.float32)
+
+    def loss(weights: dict[str, torch.Tensor]) -> float:
+        saved = {n: linears[n].weight.data for n in weights}
+        try:
+            for n, w in weights.items():
+                linears[n].weight.data = w.to(saved[n].dtype)
+            out = _forward(layer, inspect, ctx, batch).to(torch.float32)
+        finally:
+            for n, w in saved.items():
+                linears[n].weight.data = w
+        return float((out - ref).pow(2).mean())
+
+    return loss
+
+
 def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, recipe: Recipe,
                    scale_dtype: torch.dtype, batch: int = 8) -> LayerResult:
     """Quantize `layer` in place (weights become their dequantized values)."""
@@ -108,11 +128,12 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
     inputs = {n: data.inputs(n).to(hidden.device) for n in linears}
 
     if any(s.scheme == "awq" for s in specs.values()):
+        block_loss = _layer_output_loss(layer, linears, hidden, ctx, recipe, batch) if recipe.awq.block_loss else None
         for producer, kind, names, passengers in scaling_groups(layer, prefix):
             members = [awq.Member(n, linears[n].weight.detach().float(), specs[n], inputs[n]) for n in names]
             if not any(m.spec.scheme == "awq" for m in members):
                 continue
-            s = awq.search_scales(members, recipe.awq, scale_dtype)
+            s = awq.search_scales(members, recipe.awq, scale_dtype, block_loss)
             _fold(producer, kind, [linears[n] for n in names], passengers, s)
             for n in names:
                 inputs[n] = inputs[n] / s

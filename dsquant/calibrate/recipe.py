@@ -49,6 +49,8 @@ class AWQOptions:
     clip_grid: int = 20
     max_shrink: float = 0.5
     max_tokens: int = 4096  # tokens used for the loss of one search
+    block_loss: bool = True  # score scales by the decoder layer's output (else the members' outputs)
+    inspect_samples: int = 4  # calibration sequences the layer-output loss runs on
 
 
 @dataclass(frozen=True)
