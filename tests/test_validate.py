@@ -44,7 +44,7 @@ def test_identical_model_has_zero_kl_and_full_agreement(pair):
 def test_validate_reports_accuracy_latency_and_gates(pair, tmp_path):
     base, art = pair
     args = ValidateArgs([str(art)], str(base), out_dir=str(tmp_path / "report"), window=128, stride=64,
-                        max_eval_tokens=600, latency_spec=SPEC, max_ppl_increase=50.0)
+                        max_eval_tokens=600, latency_spec=SPEC, max_ppl_increase=50.0, peers=False)
     rows, paths = run_validate(args, log=lambda m: None)
     assert [r.name for r in rows] == ["baseline", "fp8"]
     fp8 = rows[1]
@@ -77,3 +77,20 @@ def test_pareto_front_keeps_only_undominated_points():
 
     rows = [row("base", 100, 0.0), row("fast", 300, 2.0), row("worse", 250, 3.0), row("mid", 200, 0.5)]
     assert pareto(rows) == {"base", "fast", "mid"}
+
+
+def test_bitsandbytes_peers_join_the_report_when_installed(pair, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    base, art = pair
+    args = ValidateArgs([str(art)], str(base), out_dir=str(tmp_path / "r"), window=128, stride=64,
+                        max_eval_tokens=300, latency=False)
+    rows, paths = run_validate(args, log=lambda m: None)
+    peers = {r.name: r for r in rows if r.method.startswith("bitsandbytes")}
+    assert set(peers) == {"bnb-nf4", "bnb-int8"}
+    nf4 = peers["bnb-nf4"]
+    assert nf4.accuracy, nf4.notes  # NF4 runs on CPU; its routed experts stay unquantized, said in a note
+    assert 0 < nf4.accuracy["eval_prose"]["kl_mean"]["value"] < 1
+    assert any("unquantized" in n for n in nf4.notes)
+    for r in peers.values():  # a peer that fails is reported, not fatal
+        assert r.accuracy or any(n.startswith("peer failed") for n in r.notes)
+    assert "bnb-nf4" in paths["md"].read_text()

@@ -41,8 +41,9 @@ def _finish(rows, paths) -> None:
 @click.option("--stride", default=None, type=int, help="Window stride (default: window / 2).")
 @click.option("--max-eval-tokens", default=None, type=int, help="Evaluate only the first N tokens of each set.")
 @click.option("--no-latency", is_flag=True, help="Accuracy only.")
+@click.option("--no-peers", is_flag=True, help="Skip the bitsandbytes NF4/INT8 peers.")
 def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, window, stride,
-             max_eval_tokens, no_latency):
+             max_eval_tokens, no_latency, no_peers):
     """Accuracy (perplexity, KL, top-1) against latency (TTFT, TPOT, tok/s) for each ARTIFACT."""
     from dsquant.validate.runner import ValidateArgs, run_validate, set_cpu_threads
 
@@ -50,7 +51,7 @@ def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, w
     if device == "cpu":
         set_cpu_threads()
     args = ValidateArgs(list(artifacts), baseline, eval_set, max_ppl_increase, out_dir, device, window,
-                        stride, max_eval_tokens, not no_latency)
+                        stride, max_eval_tokens, not no_latency, peers=not no_peers)
     _finish(*run_validate(args, log=lambda m: click.echo(m, err=True)))
 
 

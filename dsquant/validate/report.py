@@ -53,11 +53,15 @@ def table(rows: list[ArtifactRow], sets: list[str]) -> str:
            ["ppl +%", "KL mean", "KL p99", "top-1", "TTFT ms", "TPOT ms", "tok/s"]
     lines = [head]
     for r in rows:
+        if not r.accuracy:  # a peer that failed: its note says why
+            lines.append([r.name, r.method, "-"] + ["-"] * (len(head) - 3))
+            continue
         acc = [r.accuracy[s] for s in sets]
         first = acc[0]
         lat = r.latency or {}
         tp = throughput(r)
-        lines.append([r.name + (" !" if r.failed_gate else ""), r.method, f"{r.disk_bytes / 1e6:.1f}MB"]
+        size = f"{r.disk_bytes / 1e6:.1f}MB" if r.disk_bytes else "-"
+        lines.append([r.name + (" !" if r.failed_gate else ""), r.method, size]
                      + [f"{a['perplexity']['value']:.3f}" for a in acc]
                      + [f"{r.ppl_increase_pct:+.2f}",
                         f"{first['kl_mean']['value']:.4f}" if first.get("kl_mean") else "-",
@@ -76,7 +80,7 @@ def _markdown(rows: list[ArtifactRow], sets: list[str], meta: dict) -> str:
            "## Accuracy (95% intervals over windows)", "",
            "| artifact | set | perplexity | KL mean | KL p99 | top-1 agreement |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        for s in sets:
+        for s in (sets if r.accuracy else []):
             a = r.accuracy[s]
             out.append(f"| {r.name} | {s} ({a['tokens']} tokens, window {a['window']}, stride {a['stride']}) | "
                        f"{_fmt_iv(a['perplexity'])} | {_fmt_iv(a.get('kl_mean'), 4)} | "

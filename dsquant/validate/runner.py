@@ -13,6 +13,7 @@ from dsquant.errors import DsquantError
 from dsquant.models.layers import Backends
 from dsquant.validate.accuracy import compare
 from dsquant.validate.latency import LatencySpec, measure_latency
+from dsquant.validate.peers import PEERS, bitsandbytes_available, load_peer
 from dsquant.validate.report import ArtifactRow, write_report
 
 BUNDLED_EVAL = ("eval_prose", "eval_code")
@@ -31,6 +32,7 @@ class ValidateArgs:
     max_eval_tokens: int | None = None
     latency: bool = True
     latency_spec: LatencySpec | None = None  # None: LatencySpec.for_device(device)
+    peers: bool = True  # bitsandbytes NF4 / INT8 on the baseline, when installed
 
 
 def _runtime_model(path: str, device: str):
@@ -99,11 +101,15 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
         inc = sum(acc[s].perplexity.value / base_acc[s].perplexity.value - 1 for s in sets) / len(sets) * 100
         rows.append(ArtifactRow(name, path, _method(path), _disk_bytes(path),
                                 {s: asdict(a) for s, a in acc.items()}, None, inc))
+    if args.peers:
+        rows += _peer_rows(args, baseline, base_model, streams, window, stride, base_acc, log)
     del base_model
     rows.insert(0, ArtifactRow("baseline", baseline, "bf16", _disk_bytes(baseline),
                                {s: asdict(a) for s, a in base_acc.items()}, None, 0.0))
     if args.latency:
         for row in rows:
+            if row.method.startswith("bitsandbytes"):
+                continue
             log(f"latency: {row.name}")
             dtype = torch.bfloat16 if args.device == "cuda" else torch.float32  # one dtype for all rows
             row.latency = asdict(measure_latency(row.path, args.device, spec, dtype=dtype))
@@ -115,18 +121,33 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
     meta = {"baseline": baseline, "device": args.device, "device_label": device_label,
             "date": date.today().isoformat(), "window": window, "stride": stride,
             "spec": asdict(spec), "torch": torch.__version__,
-            "notes": _peer_notes()}
+            "notes": [] if (bitsandbytes_available() or not args.peers)
+            else ["bitsandbytes not installed: its NF4/INT8 peers were not run"]}
     return rows, write_report(rows, sets, meta, Path(args.out_dir))
 
 
-def _peer_notes() -> list[str]:
-    notes = []
-    try:
-        import bitsandbytes  # noqa: F401
-        notes.append("bitsandbytes is installed but its NF4/INT8 peers are not wired in yet")
-    except ImportError:
-        notes.append("bitsandbytes not installed: its NF4/INT8 peers were not run")
-    return notes
+def _peer_rows(args, baseline, base_model, streams, window, stride, base_acc, log) -> list[ArtifactRow]:
+    """bitsandbytes peers on the same windows; a peer that fails to load or run becomes a note."""
+    if not bitsandbytes_available():
+        return []
+    rows = []
+    for name in PEERS:
+        log(f"accuracy: {name} (peer)")
+        try:
+            model, notes = load_peer(name, baseline, args.device)
+            acc = {s: compare(base_model, {name: model}, t, s, window, stride, args.device)[1][name]
+                   for s, t in streams.items()}
+        except Exception as e:  # a peer's failure must not cost the report
+            row = ArtifactRow(name, baseline, f"bitsandbytes {name[4:]}", 0, {}, None, float("nan"))
+            row.notes.append(f"peer failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            rows.append(row)
+            continue
+        inc = sum(acc[s].perplexity.value / base_acc[s].perplexity.value - 1 for s in acc) / len(acc) * 100
+        row = ArtifactRow(name, baseline, f"bitsandbytes {name[4:]}", 0, {s: asdict(a) for s, a in acc.items()},
+                          None, inc)
+        row.notes += notes
+        rows.append(row)
+    return rows
 
 
 def set_cpu_threads() -> None:
