@@ -9,7 +9,6 @@ with force=True; a partial run with other arguments is refused rather than mixed
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsquant.errors import DsquantError
+from dsquant.models.checkpoint import sha256_file
 
 STATE = "resume.json"
 HIDDEN = "resume_hidden.safetensors"
@@ -31,14 +31,6 @@ def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class ArtifactWriter:

@@ -7,6 +7,7 @@ dsquant never unpickles.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -19,6 +20,15 @@ from dsquant.errors import CheckpointError
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
+    """Hex sha256 of a file, read in chunks (shard checksums in dsquant.json)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def layer_of(key: str) -> int | None:

@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -20,20 +19,12 @@ import torch
 from dsquant.config import load_config
 from dsquant.errors import CheckpointError
 from dsquant.models.causal_lm import CausalLM
-from dsquant.models.checkpoint import CheckpointReader
+from dsquant.models.checkpoint import CheckpointReader, sha256_file
 from dsquant.models.layers import Backends
 from dsquant.models.loader import FLOAT_DTYPES, WeightSource, check_unexpected, default_dtype, load_tensors
 from dsquant.runtime.layers.linear import LinearFactory, QuantLinear
 
 MANIFEST = "dsquant.json"
-
-
-def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_manifest(model_dir: str | Path) -> int:
@@ -50,7 +41,7 @@ def verify_manifest(model_dir: str | Path) -> int:
         shard = root / name
         if not shard.is_file():
             raise CheckpointError(f"{shard}: shard listed in {MANIFEST} is missing")
-        found = sha256_of(shard)
+        found = sha256_file(shard)
         if found != str(expected).lower():
             raise CheckpointError(f"{shard}: sha256 {found[:16]}... disagrees with {MANIFEST} "
                                   f"({str(expected)[:16]}...); the shard is corrupt or was changed")
