@@ -19,23 +19,11 @@ import random
 import shutil
 from pathlib import Path
 
+from dsquant.data.sources import split_at_lines
+
 CHUNK_CHARS = 6000
 TARGET_CHARS = 3_000_000
 SEED = 0
-
-
-def split_lines(text: str, max_chars: int) -> list[str]:
-    """Cut `text` into pieces of at most about `max_chars`, only at line ends."""
-    pieces, current, size = [], [], 0
-    for line in text.splitlines(keepends=True):
-        if current and size + len(line) > max_chars:
-            pieces.append("".join(current))
-            current, size = [], 0
-        current.append(line)
-        size += len(line)
-    if current:
-        pieces.append("".join(current))
-    return pieces
 
 
 def draw_calibration(train_path: Path, seed: int) -> list[dict]:
@@ -43,7 +31,7 @@ def draw_calibration(train_path: Path, seed: int) -> list[dict]:
     with lzma.open(train_path, "rt", encoding="utf-8") as f:
         for line in f:
             doc = json.loads(line)
-            for i, piece in enumerate(split_lines(doc["text"], CHUNK_CHARS)):
+            for i, piece in enumerate((split_at_lines(doc["text"], CHUNK_CHARS) if doc["text"] else [])):
                 if len(piece) >= CHUNK_CHARS // 4:  # skip slivers (chapter tails, tiny modules)
                     chunks.append({"source": f"train:{doc['source']}#{i}", "text": piece})
     rng = random.Random(seed)
