@@ -186,6 +186,33 @@ def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK):
     return q.contiguous(), scale_inv.contiguous()
 
 
+FP8_ACT_SCALE_EPS = 1e-10
+
+
+def quantize_fp8_activations(x: torch.Tensor, group: int = FP8_BLOCK):
+    """x [M, K] -> (float8_e4m3fn [M, K], scale fp32 [M, ceil(K/G)]): dynamic per-token, per-G-channel.
+
+    scale = max(amax(|x_group|), 1e-10) / 448 and x ~= fp8 * scale: DeepSeek-V3's activation
+    scheme ("activation_scheme": "dynamic"), which the FP8 GEMM kernels apply to their input.
+    """
+    m, k = x.shape
+    ng = -(-k // group)
+    padded = torch.zeros(m, ng * group, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.to(torch.float32)
+    groups = padded.view(m, ng, group)  # [M, ng, G]
+    scale = groups.abs().amax(-1).clamp(min=FP8_ACT_SCALE_EPS) / FP8_E4M3_MAX  # [M, ng]
+    q = (groups / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.view(m, -1)[:, :k].to(torch.float8_e4m3fn).contiguous(), scale
+
+
+def fp8_activation_roundtrip(x: torch.Tensor, group: int = FP8_BLOCK) -> torch.Tensor:
+    """x [..., K] -> the values a W8A8 FP8 GEMM multiplies (fp8 * scale), in x's dtype."""
+    k = x.shape[-1]
+    q, s = quantize_fp8_activations(x.reshape(-1, k), group)
+    deq = q.to(torch.float32) * s.repeat_interleave(group, dim=1)[:, :k]  # [M, K]
+    return deq.to(x.dtype).reshape(x.shape)
+
+
 def dequantize_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
                          block: int = FP8_BLOCK) -> torch.Tensor:
     """float8_e4m3fn [N, K] + scale_inv [ceil(N/B), ceil(K/B)] -> [N, K] in `dtype`."""

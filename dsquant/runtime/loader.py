@@ -101,13 +101,15 @@ def load_layer_quantized(model: CausalLM, source: WeightSource, layer: int | Non
 
 def load_runtime_model(path: str | Path, backends: Backends, dtype: torch.dtype | None = None,
                        device: str | torch.device = "cpu", verify: bool = True,
-                       prepare_layer=None) -> CausalLM:
-    """The whole model on `device`, every Linear a QuantLinear of its checkpoint's format."""
+                       prepare_layer=None, kernels: bool = True) -> CausalLM:
+    """The whole model on `device`, every Linear a QuantLinear of its checkpoint's format.
+
+    kernels=False keeps every linear on its pure-torch path (dequantized weight), on CUDA too."""
     if verify:
         verify_manifest(path)
     cfg = load_config(path)
     reader = CheckpointReader(path)
-    factory = LinearFactory(cfg.quantization_config, reader)
+    factory = LinearFactory(cfg.quantization_config, reader, kernels=kernels)
     backends = Backends(linear=factory, attention=backends.attention, moe=backends.moe, extra=backends.extra)
     model = CausalLM(cfg, backends)
     source = WeightSource(reader, cfg)

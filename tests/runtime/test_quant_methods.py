@@ -72,9 +72,27 @@ def test_fp8_block_with_partial_blocks():
     fill(layer, {"weight": fp8, "weight_scale_inv": scale_inv})
     per_elem = scale_inv.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
     x = torch.randn(4, k)
-    torch.testing.assert_close(layer(x), x @ (fp8.float() * per_elem).t(), rtol=1e-5, atol=1e-4)
-    exact = x @ w.t()  # and the fp8 weight stays close to the original (e4m3: 3 mantissa bits)
-    assert (layer(x) - exact).norm() < 0.05 * exact.norm()
+    # W8A8 (activation_scheme dynamic): x quantized per token and 128 channels, partial last group
+    xq, xs = formats.quantize_fp8_activations(x)  # [4, k], [4, 3]
+    assert xs.shape == (4, 3)
+    x_used = xq.float() * xs.repeat_interleave(128, 1)[:, :k]
+    assert 0 < (x_used - x).abs().max() <= x.abs().max() / 16  # quantized, within e4m3's step
+    torch.testing.assert_close(layer(x), x_used @ (fp8.float() * per_elem).t(), rtol=1e-5, atol=1e-4)
+    exact = x @ w.t()  # and the product stays close to the exact one (e4m3: 3 mantissa bits)
+    assert (layer(x) - exact).norm() < 0.08 * exact.norm()
+    weight_only = QuantLinear(FP8BlockMethod(dynamic_activations=False), "m", k, n, False)
+    fill(weight_only, {"weight": fp8, "weight_scale_inv": scale_inv})
+    torch.testing.assert_close(weight_only(x), x @ (fp8.float() * per_elem).t(), rtol=1e-5, atol=1e-4)
+
+
+def test_ct_fp8_activation_scheme_follows_input_activations():
+    from dsquant.runtime.layers.compressed_tensors import ct_method
+
+    weights = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
+    acts = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "dynamic": True}
+    assert ct_method(weights, "float-quantized", acts).dynamic_activations
+    assert not ct_method(weights, "float-quantized", None).dynamic_activations
+    assert LinearFactory({"quant_method": "fp8"}).scheme_for("model.layers.0.mlp.up_proj").dynamic_activations
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -154,6 +172,7 @@ def test_factory_refuses_unknown_schemes():
     from dsquant.errors import ConfigError
 
     for q in ({"quant_method": "bitsandbytes"}, {"quant_method": "awq", "bits": 3},
-              {"quant_method": "awq", "version": "gemv"}, {"quant_method": "fp8", "weight_block_size": [64, 64]}):
+              {"quant_method": "awq", "version": "gemv"}, {"quant_method": "fp8", "weight_block_size": [64, 64]},
+              {"quant_method": "fp8", "activation_scheme": "static"}):
         with pytest.raises(ConfigError):
             LinearFactory(q)

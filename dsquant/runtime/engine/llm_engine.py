@@ -41,7 +41,8 @@ class EngineConfig:
     cuda_graph_max_batch: int = 64
     verify_checksums: bool = True
     seed: int = 0
-    kernels: bool | None = None  # Triton attention + fused MoE; None: on CUDA (True on CPU needs TRITON_INTERPRET=1)
+    kernels: bool | None = None  # Triton attention, fused MoE and quantized GEMMs; None: on CUDA (False: pure torch
+    # everywhere, the reference path; True on CPU runs attention/MoE under TRITON_INTERPRET=1)
 
 
 @dataclass
@@ -91,7 +92,8 @@ class LLMEngine:
         self.config = c = config or EngineConfig()
         self.path = Path(model_path)
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if c.kernels if c.kernels is not None else device.type == "cuda":
+        use_kernels = c.kernels if c.kernels is not None else device.type == "cuda"
+        if use_kernels:
             from dsquant.runtime.layers.attention_triton import TritonPagedAttention
             from dsquant.runtime.layers.moe import FusedMoE
 
@@ -106,7 +108,8 @@ class LLMEngine:
 
             attention, moe, prepare = TorchPagedAttention(), LoopMoE(), None
         self.model = load_runtime_model(self.path, Backends(attention=attention, moe=moe), c.dtype, device,
-                                        verify=c.verify_checksums, prepare_layer=prepare)
+                                        verify=c.verify_checksums, prepare_layer=prepare,
+                                        kernels=use_kernels)
         cfg = self.model.config
         dtype = next(self.model.parameters()).dtype if c.dtype is None else c.dtype
         max_model_len = c.max_model_len or cfg.max_position_embeddings

@@ -111,7 +111,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
 
     x is bf16/fp16 (quantized here, per token and 128 channels), or float8_e4m3fn with its
     `x_scale` [M, ceil(K/128)]. `weight_only` (default: the GPU has no FP8 tensor cores) keeps x
-    in 16 bits; `fuse_quant` (default: M <= 64) quantizes inside the GEMM. `splitk_counters`
+    in 16 bits (a config's "weight_only" path is a tiling hint, never a change of numerics: its
+tiles run with in-GEMM activation quant unless weight_only=True); `fuse_quant` (default: M <= 64) quantizes inside the GEMM. `splitk_counters`
     (int32, zero) may be passed to reuse one buffer across calls; it is left zero. `out` [M, N]
     receives y when given.
     """
@@ -134,8 +135,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     cfg = config or fp8_config(m, n, k, x.device)
-    if weight_only is None:
-        weight_only = cfg.path == "weight_only" or not has_fp8_mma(x.device)
+    if weight_only is None:  # W8A8 wherever the GPU has FP8 MMA (the checkpoint's dynamic scheme)
+        weight_only = not has_fp8_mma(x.device)
     if is_fp8:
         a, a_s, mode = x2, x_scale, 0
     elif weight_only:

@@ -68,13 +68,6 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, column_major_sc
 
 def per_token_group_quant_fp8_reference(x: torch.Tensor, group: int = 128):
     """Pure-torch twin of per_token_group_quant_fp8 (same formula, torch's fp8 rounding)."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k).to(torch.float32)
-    m = x2.shape[0]
-    ng = -(-k // group)
-    padded = torch.zeros(m, ng * group, dtype=torch.float32, device=x.device)
-    padded[:, :k] = x2
-    g = padded.reshape(m, ng, group)  # [M, ng, G]
-    scale = g.abs().amax(-1).clamp(min=SCALE_EPS) / FP8_MAX  # [M, ng]
-    q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).reshape(m, ng * group)[:, :k]
-    return q.to(torch.float8_e4m3fn), scale
+    from dsquant.formats import quantize_fp8_activations
+
+    return quantize_fp8_activations(x.reshape(-1, x.shape[-1]), group)

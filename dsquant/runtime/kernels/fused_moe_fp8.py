@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.formats import FP8_E4M3_MAX, fp8_block_shape
+from dsquant.formats import FP8_E4M3_MAX, fp8_block_shape, quantize_fp8_activations
 from dsquant.runtime.kernels.moe_gemm import GroupedWeight
 
 ACT_GROUP = 128
@@ -34,15 +34,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
 
 
 def quantize_act_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], scale fp32 [M, ceil(K/128)]) in torch."""
-    m, k = x.shape
-    kb = triton.cdiv(k, ACT_GROUP)
-    padded = torch.zeros(m, kb * ACT_GROUP, dtype=torch.float32, device=x.device)
-    padded[:, :k] = x.float()
-    groups = padded.view(m, kb, ACT_GROUP)  # [M, K/128, 128]
-    scale = groups.abs().amax(-1).clamp(min=1e-10) / FP8_E4M3_MAX  # [M, K/128]
-    q = (groups / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return q.view(m, -1)[:, :k].to(torch.float8_e4m3fn).contiguous(), scale
+    """x [M, K] -> (fp8 [M, K], scale fp32 [M, ceil(K/128)]) in torch (formats' quantizer)."""
+    return quantize_fp8_activations(x, ACT_GROUP)
 
 
 def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,7 +67,7 @@ class CTPackedInt4Method(LinearMethod):
         return ((q - z[:, g]).to(torch.float32) * s[:, g]).to(dtype)  # [N, K]
 
     def process_weights_after_loading(self, layer):
-        if layer.weight_packed.device.type != "cuda":
+        if not self.use_kernels(layer.weight_packed):
             return super().process_weights_after_loading(layer)
         from dsquant.runtime.kernels.w4a16_repack import W4A16Weights
 
@@ -80,7 +80,7 @@ class CTPackedInt4Method(LinearMethod):
         self.release(layer, ("weight_packed", "weight_scale", "weight_zero_point"))
 
     def apply(self, layer, x):
-        if not x.is_cuda:
+        if not self.use_kernels(x):
             return super().apply(layer, x)
         return _w4a16_apply(layer, x)
 
@@ -91,6 +91,7 @@ class CTFloat8Method(LinearMethod):
 
     strategy: str = "block"  # "block" | "channel" | "tensor"
     block: int = formats.FP8_BLOCK
+    dynamic_activations: bool = False  # W8A8 as FP8BlockMethod when the group quantizes inputs
     name = "ct_fp8"
 
     def create_weights(self, layer, in_features, out_features):
@@ -106,7 +107,7 @@ class CTFloat8Method(LinearMethod):
         return (layer.weight.to(torch.float32) * scale).to(dtype)
 
     def process_weights_after_loading(self, layer):
-        if layer.weight.device.type != "cuda":
+        if not self.use_kernels(layer.weight):
             return super().process_weights_after_loading(layer)
         n, k = layer.weight.shape
         if self.strategy == "block":
@@ -118,18 +119,23 @@ class CTFloat8Method(LinearMethod):
             layer.out_scale = layer.weight_scale.to(torch.float32).reshape(-1)  # [N] or [1]
 
     def apply(self, layer, x):
-        if not x.is_cuda:
-            return super().apply(layer, x)
+        if not self.use_kernels(x):
+            return super().apply(layer, formats.fp8_activation_roundtrip(x) if self.dynamic_activations else x)
         from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
 
-        y = fp8_block_linear(x, layer.weight, layer.scale_inv)
+        y = fp8_block_linear(x, layer.weight, layer.scale_inv,
+                             weight_only=None if self.dynamic_activations else True)
         if layer.out_scale is not None:
             y = (y.float() * layer.out_scale).to(x.dtype)
         return y if layer.bias is None else y + layer.bias
 
 
-def ct_method(weights: dict, fmt: str | None) -> LinearMethod:
-    """The method for one config group's `weights` args (and the group's or config's format)."""
+def ct_method(weights: dict, fmt: str | None, input_activations: dict | None = None) -> LinearMethod:
+    """The method for one config group's `weights` args (and the group's or config's format).
+
+    FP8 groups with dynamic float-8 `input_activations` run W8A8 (activations quantized per token
+    and 128 channels, whatever per-token strategy the config names); without, weight-only.
+    """
     from dsquant.errors import ConfigError
 
     kind, bits = weights.get("type", "int"), weights.get("num_bits")
@@ -142,7 +148,9 @@ def ct_method(weights: dict, fmt: str | None) -> LinearMethod:
                                   "(expected [128, 128])")
         elif strategy not in ("channel", "tensor"):
             raise ConfigError(f"compressed-tensors FP8 strategy {strategy!r} is not supported")
-        return CTFloat8Method(strategy=strategy)
+        act = input_activations or {}
+        dynamic = act.get("type") == "float" and act.get("num_bits") == 8 and bool(act.get("dynamic", True))
+        return CTFloat8Method(strategy=strategy, dynamic_activations=dynamic)
     if kind == "int" and bits == 4:
         if fmt not in (None, "pack-quantized", "mixed-precision"):
             raise ConfigError(f"compressed-tensors int4 format {fmt!r} is not supported "

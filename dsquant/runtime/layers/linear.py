@@ -59,8 +59,9 @@ def _matches(name: str, target: str) -> bool:
 class LinearFactory:
     """Callable (prefix, in, out, bias) -> QuantLinear, the `Backends.linear` of the runtime."""
 
-    def __init__(self, quantization_config: dict | None, reader=None):
+    def __init__(self, quantization_config: dict | None, reader=None, kernels: bool = True):
         self.q = quantization_config or {}
+        self.kernels = kernels  # False: every method takes its pure-torch path, on CUDA too
         self.reader = reader  # CheckpointReader or None
         self.method_counts: dict[str, int] = {}
         self.quant_method = self.q.get("quant_method")
@@ -74,6 +75,9 @@ class LinearFactory:
             if self.quant_method == "awq" and str(self.q.get("version", "gemm")).lower() != "gemm":
                 raise ConfigError(f"config.json: AWQ version {self.q.get('version')!r} is not supported "
                                   "(expected gemm)")
+        if self.quant_method == "fp8" and self.q.get("activation_scheme", "dynamic") != "dynamic":
+            raise ConfigError(f"config.json: fp8 activation_scheme {self.q.get('activation_scheme')!r} is not "
+                              "supported (expected dynamic)")
         if self.quant_method == "fp8" and list(self.q.get("weight_block_size") or [128, 128]) != [128, 128]:
             raise ConfigError(f"config.json: fp8 weight_block_size {self.q.get('weight_block_size')} is not "
                               "supported (expected [128, 128])")
@@ -94,7 +98,8 @@ class LinearFactory:
                 targets = group.get("targets") or []
                 hit = any(_matches(prefix, t) for t in targets if t != "Linear")
                 if hit or ("Linear" in targets and prefix != "lm_head"):
-                    return ct_method(group.get("weights") or {}, group.get("format") or self.q.get("format"))
+                    acts = None if prefix.endswith("kv_b_proj") else group.get("input_activations")  # see below
+                    return ct_method(group.get("weights") or {}, group.get("format") or self.q.get("format"), acts)
             return DenseMethod()
         if prefix == "lm_head" or self._not_converted(prefix):
             return DenseMethod()
@@ -103,7 +108,9 @@ class LinearFactory:
             return AWQMethod(group_size=group)
         if qm == "gptq":
             return GPTQMethod(group_size=group)
-        return FP8BlockMethod()
+        # kv_b_proj is absorbed into MLA's attention (W_UK, W_UV dequantized) on the kernel path, where
+        # its input is never quantized: weight-only on every path so all paths compute one product
+        return FP8BlockMethod(dynamic_activations=not prefix.endswith("kv_b_proj"))
 
     def __call__(self, prefix: str, in_features: int, out_features: int, bias: bool) -> QuantLinear:
         method = self.scheme_for(prefix)
@@ -112,5 +119,6 @@ class LinearFactory:
             if marker not in self.reader and f"{prefix}.weight" in self.reader:
                 log.debug("%s: %s not in the checkpoint, loading it dense", prefix, marker)
                 method = DenseMethod()
+        method.kernels = self.kernels
         self.method_counts[method.name] = self.method_counts.get(method.name, 0) + 1
         return QuantLinear(method, prefix, in_features, out_features, bias)

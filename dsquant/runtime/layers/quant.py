@@ -30,6 +30,10 @@ class LinearMethod:
     """Base: dense-from-dequant CPU path shared by every scheme."""
 
     name = "base"
+    kernels = True  # False: the pure-torch path on every device (EngineConfig.kernels=False)
+
+    def use_kernels(self, t: torch.Tensor) -> bool:
+        return self.kernels and t.is_cuda
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         raise NotImplementedError
@@ -85,7 +89,7 @@ class AWQMethod(LinearMethod):
         return formats.dequantize_awq(layer.qweight, layer.qzeros, layer.scales, self.group_size, dtype)
 
     def process_weights_after_loading(self, layer):
-        if layer.qweight.device.type != "cuda":
+        if not self.use_kernels(layer.qweight):
             return super().process_weights_after_loading(layer)
         from dsquant.runtime.kernels.w4a16_repack import repack_awq
 
@@ -93,7 +97,7 @@ class AWQMethod(LinearMethod):
         self.release(layer, ("qweight", "qzeros", "scales"))
 
     def apply(self, layer, x):
-        if not x.is_cuda:
+        if not self.use_kernels(x):
             return super().apply(layer, x)
         return _w4a16_apply(layer, x)
 
@@ -128,7 +132,7 @@ class GPTQMethod(LinearMethod):
         return formats.dequantize_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, dtype)
 
     def process_weights_after_loading(self, layer):
-        if layer.qweight.device.type != "cuda":
+        if not self.use_kernels(layer.qweight):
             return super().process_weights_after_loading(layer)
         from dsquant.runtime.kernels.w4a16_repack import repack_gptq
 
@@ -136,16 +140,23 @@ class GPTQMethod(LinearMethod):
         self.release(layer, ("qweight", "qzeros", "scales", "g_idx"))
 
     def apply(self, layer, x):
-        if not x.is_cuda:
+        if not self.use_kernels(x):
             return super().apply(layer, x)
         return _w4a16_apply(layer, x)
 
 
 @dataclass
 class FP8BlockMethod(LinearMethod):
-    """DeepSeek-V3 FP8: weight e4m3 [N, K], weight_scale_inv fp32 [ceil(N/128), ceil(K/128)]."""
+    """DeepSeek-V3 FP8: weight e4m3 [N, K], weight_scale_inv fp32 [ceil(N/128), ceil(K/128)].
+
+    dynamic_activations (the config's activation_scheme "dynamic", the default): W8A8, x quantized
+    per token and 128 channels on every path (the kernels, and the torch path through
+    formats.fp8_activation_roundtrip), so CPU, reference and GPU compute the same product;
+    False: weight-only, x stays 16-bit.
+    """
 
     block: int = formats.FP8_BLOCK
+    dynamic_activations: bool = True
     name = "fp8_block"
 
     def create_weights(self, layer, in_features, out_features):
@@ -157,14 +168,15 @@ class FP8BlockMethod(LinearMethod):
         return formats.dequantize_fp8_block(layer.weight, layer.weight_scale_inv, dtype, self.block)
 
     def process_weights_after_loading(self, layer):
-        if layer.weight.device.type != "cuda":
+        if not self.use_kernels(layer.weight):
             return super().process_weights_after_loading(layer)
         layer.weight_scale_inv.data = layer.weight_scale_inv.data.to(torch.float32).contiguous()
 
     def apply(self, layer, x):
-        if not x.is_cuda:
-            return super().apply(layer, x)
+        if not self.use_kernels(x):
+            return super().apply(layer, formats.fp8_activation_roundtrip(x) if self.dynamic_activations else x)
         from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
 
-        y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv)  # [..., N]
+        y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv,
+                             weight_only=None if self.dynamic_activations else True)  # [..., N]
         return y if layer.bias is None else y + layer.bias
