@@ -57,6 +57,10 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # when SamplingParams asked: per completion token / per prompt token (None for the first),
+    # (logprob, {token id: logprob} of the top N)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 def _eos_ids(path: Path, cfg) -> set[int]:
@@ -214,7 +218,9 @@ class LLMEngine:
                 token_ids=seq.completion_token_ids, new_token_ids=[token],
                 text=detok.text if detok is not None else "", delta_text=delta, finished=reason is not None,
                 finish_reason=reason, num_cached_tokens=seq.num_cached_tokens,
-                metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time}))
+                metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time},
+                logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                prompt_logprobs=seq.prompt_logprobs))
         return outputs
 
     def stats(self) -> dict:

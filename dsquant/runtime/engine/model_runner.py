@@ -4,13 +4,14 @@ The batch runs as B=1, T=num_tokens (every sequence's new tokens back to back). 
 input_ids [T], positions [T], slot_mapping [T] (where each new token's K/V go), block_tables
 [B, max_blocks], seq_lens [B] (cached + new), cu_seqlens_q [B + 1]; logits are computed only for
 the last new token of each sequence that samples this step (a prefill chunk short of the end of
-the prompt samples nothing). On CUDA, pure-decode batches replay captured CUDA graphs
+the prompt samples nothing), plus every prompt position of a sequence that asked for
+prompt_logprobs. On CUDA, pure-decode batches replay captured CUDA graphs
 (cuda_graph.py) unless enforce_eager.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +40,8 @@ class StepInputs:
     ctx: PagedContext
     logits_indices: torch.Tensor  # [S] int64, rows of T whose logits are sampled
     sampling_seqs: list  # the S sequences that sample, in order
+    # prompt_logprobs: (seq, first position, count); their logits rows follow the S sampled ones
+    prompt_spans: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -118,9 +121,14 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs, device = self.config.block_size, self.config.device
         input_ids, positions, slots, q_lens, seq_lens, rows = [], [], [], [], [], []
-        sampling, samples = [], batch.samples()
+        sampling, samples, spans, span_rows = [], batch.samples(), [], []
         for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, samples):
             start = seq.num_computed_tokens
+            # position p's logits score prompt token p + 1; the last prompt position is the sampled row
+            count = min(start + n, seq.num_prompt_tokens - 1) - start
+            if seq.prompt_logprobs is not None and count > 0:
+                spans.append((seq, start, count))
+                span_rows += range(len(input_ids), len(input_ids) + count)
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
@@ -135,7 +143,7 @@ class ModelRunner:
         ctx = self._context(pos, torch.tensor(slots, dtype=torch.int64, device=device),
                             torch.tensor(table, dtype=torch.int32, device=device), q_lens, seq_lens)
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=device), pos, ctx,
-                          torch.tensor(rows, dtype=torch.int64, device=device), sampling)
+                          torch.tensor(rows + span_rows, dtype=torch.int64, device=device), sampling, spans)
 
     def _forward(self, input_ids, positions, ctx, logits_indices) -> torch.Tensor:
         hidden = self.model.embed(input_ids[None])  # [1, T, hidden]
@@ -147,11 +155,43 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run one step; return the new token of each sampling sequence, in batch order."""
         inputs = self.prepare(batch)
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        if self.graphs is not None and not inputs.prompt_spans and self.graphs.can_run(inputs):
             logits = self.graphs.run(inputs)
         else:
             logits = self._forward(inputs.input_ids, inputs.positions, inputs.ctx, inputs.logits_indices)
+        n_sample = len(inputs.sampling_seqs)
+        if inputs.prompt_spans:
+            self._record_prompt_logprobs(inputs, logits[n_sample:])
         if not inputs.sampling_seqs:
             return []
+        logits = logits[:n_sample]
         t = SamplingTensors.from_seqs(inputs.sampling_seqs, logits.shape[-1], self.config.device)
-        return sample(logits, t, self.generator).tolist()  # the step's one device -> host read
+        tokens = sample(logits, t, self.generator)
+        want = [i for i, s in enumerate(inputs.sampling_seqs) if s.logprobs is not None]
+        if want:
+            rows = torch.tensor(want, device=logits.device)
+            for i, entry in zip(want, _logprobs(logits[rows], tokens[rows], inputs.sampling_seqs, want, "logprobs")):
+                inputs.sampling_seqs[i].logprobs.append(entry)
+        return tokens.tolist()  # the step's one device -> host read (two when logprobs are asked for)
+
+    def _record_prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> None:
+        """logits [sum of span counts, vocab]: score prompt tokens start+1 .. start+count of each span."""
+        row = 0
+        for seq, start, count in inputs.prompt_spans:
+            targets = torch.tensor(seq.token_ids[start + 1:start + 1 + count], device=logits.device)
+            entries = _logprobs(logits[row:row + count], targets, [seq] * count, range(count), "prompt_logprobs")
+            seq.prompt_logprobs[start + 1:start + 1 + count] = entries
+            row += count
+
+
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor, seqs, idx, kind: str) -> list[tuple[float, dict]]:
+    """(logprob of target, {id: logprob} of the top N) per row; logits [R, V], targets [R]."""
+    lp = logits.float().log_softmax(-1)  # [R, V]
+    chosen = lp.gather(-1, targets[:, None])[:, 0].tolist()
+    n = max(getattr(seqs[i].params, kind) for i in idx)
+    top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
+    out = []
+    for j, (i, value) in enumerate(zip(idx, chosen)):
+        k = getattr(seqs[i].params, kind)
+        out.append((value, dict(zip(top_ids[j, :k].tolist(), top_lp[j, :k].tolist()))))
+    return out

@@ -95,7 +95,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hits = bm.match_prefix(seq)
+            # prompt_logprobs need logits at every prompt position: no prefix-cache hits
+            hits = bm.match_prefix(seq) if seq.prompt_logprobs is None else []
             todo = seq.num_tokens - len(hits) * bm.block_size
             n = min(todo, budget)
             if n < todo and not self.config.enable_chunked_prefill:

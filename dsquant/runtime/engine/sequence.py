@@ -11,7 +11,12 @@ from dsquant.errors import DsquantError
 
 @dataclass
 class SamplingParams:
-    """temperature 0 = greedy; top_k <= 0 and top_p = 1 switch those filters off."""
+    """temperature 0 = greedy; top_k <= 0 and top_p = 1 switch those filters off.
+
+    logprobs = N records each generated token's log-probability and the N most likely ones;
+    prompt_logprobs = N does the same for every prompt token after the first (such a request
+    skips the prefix cache, since cached positions are never run through the model).
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -21,6 +26,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -31,6 +38,9 @@ class SamplingParams:
             raise DsquantError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise DsquantError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise DsquantError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
@@ -62,6 +72,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+        # per token (prompt position or completion index): (logprob, {token id: logprob} of the top N)
+        self.prompt_logprobs: list[tuple[float, dict] | None] | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None)
+        self.logprobs: list[tuple[float, dict]] | None = [] if params.logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)

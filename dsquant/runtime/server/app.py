@@ -26,6 +26,7 @@ from dsquant.runtime.server import protocol as P
 from dsquant.runtime.server.chat_template import ChatTemplate
 from dsquant.runtime.server.engine_loop import (EngineLoop, EngineUnavailable, QueueFull, RequestHandle,
                                                 RequestRejected)
+from dsquant.runtime.server.logprobs import completion_choice
 from dsquant.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("dsquant.server")
@@ -211,6 +212,9 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
         ids = s.encode(req.prompt, True) if isinstance(req.prompt, str) else list(req.prompt)
         if any(not 0 <= t < s.vocab_size for t in ids):
             raise ApiError(400, f"prompt token ids must be in [0, {s.vocab_size})", "prompt")
+        if req.max_tokens == 0 and not req.echo:
+            raise ApiError(400, "max_tokens must be at least 1 (0 only with echo: true, to score the prompt)",
+                           "max_tokens")
         max_tokens = s.check_lengths(ids, req.max_tokens, "max_tokens")
         return await _run(request, req, ids, max_tokens, f"cmpl-{uuid.uuid4().hex}", arrival, chat=False)
 
@@ -262,8 +266,8 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
         if chat:
             return P.ChatCompletionResponse(id=rid, model=s.model_name, usage=usage, choices=[P.ChatChoice(
                 message=P.ChatResponseMessage(content=final.text), finish_reason=final.finish_reason)])
-        return P.CompletionResponse(id=rid, model=s.model_name, usage=usage, choices=[
-            P.CompletionChoice(text=final.text, finish_reason=final.finish_reason)])
+        choice, n_out = completion_choice(req, ids, final, s.tokenizer)  # echo, logprobs, max_tokens 0
+        return P.CompletionResponse(id=rid, model=s.model_name, usage=P.Usage.of(len(ids), n_out), choices=[choice])
 
     async def _stream(req, ids, rid, handle: RequestHandle, first: list[float], state: dict, chat: bool):
         created = int(time.time())

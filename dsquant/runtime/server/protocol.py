@@ -1,15 +1,15 @@
 """OpenAI request and response bodies (the subset dsquant serves), validated with pydantic.
 
 Requests are strict: a string where a number belongs is a 400, not a silent coercion. Fields
-the OpenAI API defines but dsquant does not implement (logprobs, tools, ...) are ignored, as
-vLLM does. `ignore_eos` and `top_k` are vLLM extensions that benchmarks rely on.
+the OpenAI API defines but dsquant does not implement (chat logprobs, tools, ...) are ignored, as
+vLLM does; /v1/completions implements `echo` and `logprobs` (see logprobs.py). `ignore_eos` and `top_k` are vLLM extensions that benchmarks rely on.
 """
 from __future__ import annotations
 
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dsquant.runtime.engine.sequence import SamplingParams
 
@@ -72,20 +72,51 @@ class _SamplingRequest(BaseModel):
                               top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
 
 
+MAX_LOGPROBS = 20
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = 16  # the OpenAI default for completions
+    prompt: str | list[int] | list[str] | list[list[int]]  # a one-element batch is unwrapped
+    max_tokens: int | None = 16  # the OpenAI default for completions; 0 only with echo
+    echo: bool = False
+    logprobs: int | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive(cls, v):
+        if v is not None and v < 0:
+            raise ValueError(f"max_tokens must be at least 0 (0 only with echo), got {v}")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
+        return v
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
             if len(v) != 1:
                 raise ValueError(f"one prompt per request is supported, got {len(v)}")
-            return v[0]
+            v = v[0]
         if not v:
             raise ValueError("the prompt is empty")
         return v
+
+    @model_validator(mode="after")
+    def _no_stream_with_logprobs(self):  # max_tokens 0 without echo: the route says so, naming the param
+        if self.stream and (self.echo or self.logprobs is not None):
+            raise ValueError("echo and logprobs are not supported with stream: true")
+        return self
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        params = super().sampling_params(max(1, max_tokens))  # max_tokens 0: one token, left out of the reply
+        params.logprobs = self.logprobs
+        params.prompt_logprobs = self.logprobs if self.echo else None
+        return params
 
 
 class ContentPart(BaseModel):
@@ -140,10 +171,17 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
