@@ -12,6 +12,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("attention", "attention"),
     ("moe", "moe"),
     ("gemm", "gemm"),
+    ("serve", "serve"),
 ]
 
 
