@@ -17,15 +17,21 @@ def _device(device: str | None) -> str:
 
 
 def _finish(rows, paths) -> None:
-    from dsquant.validate.report import table
+    from dsquant.validate.report import lm_eval_table, table
 
     sets = list(rows[0].accuracy)
     click.echo(table(rows, sets))
+    if lm_eval_table(rows):
+        click.echo("\nlm-eval (± standard error)\n" + lm_eval_table(rows))
     for key, path in paths.items():
         click.echo(f"{key}: {path}")
+    lm_failed = [f"{r.name}: {n}" for r in rows for n in r.notes if n.startswith("lm-eval failed")]
+    for line in lm_failed:  # a requested measurement is missing: the report has it as a note, exit 1
+        click.echo(line, err=True)
     failed = [r.name for r in rows if r.failed_gate]
     if failed:
         click.echo(f"failed --max-ppl-increase: {', '.join(failed)}", err=True)
+    if failed or lm_failed:
         sys.exit(1)
 
 
@@ -42,16 +48,24 @@ def _finish(rows, paths) -> None:
 @click.option("--max-eval-tokens", default=None, type=int, help="Evaluate only the first N tokens of each set.")
 @click.option("--no-latency", is_flag=True, help="Accuracy only.")
 @click.option("--no-peers", is_flag=True, help="Skip the bitsandbytes NF4/INT8 peers.")
+@click.option("--lm-eval", "lm_eval", default=None, metavar="TASKS",
+              help="lm-evaluation-harness tasks (comma-separated names or YAML paths) run against `dsquant serve` "
+                   "of the baseline and each artifact; bundled offline: dsq_prose_cloze, dsq_prose_choice, "
+                   "dsq_prose_cloze_gen (tag dsquant). Needs pip install 'dsquant[lmeval]'.")
+@click.option("--lm-eval-limit", default=None, type=click.IntRange(min=1), help="Examples per lm-eval task.")
 def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, window, stride,
-             max_eval_tokens, no_latency, no_peers):
+             max_eval_tokens, no_latency, no_peers, lm_eval, lm_eval_limit):
     """Accuracy (perplexity, KL, top-1) against latency (TTFT, TPOT, tok/s) for each ARTIFACT."""
     from dsquant.validate.runner import ValidateArgs, run_validate, set_cpu_threads
 
+    if lm_eval_limit is not None and lm_eval is None:
+        raise click.UsageError("--lm-eval-limit needs --lm-eval TASKS")
     device = _device(device)
     if device == "cpu":
         set_cpu_threads()
     args = ValidateArgs(list(artifacts), baseline, eval_set, max_ppl_increase, out_dir, device, window,
-                        stride, max_eval_tokens, not no_latency, peers=not no_peers)
+                        stride, max_eval_tokens, not no_latency, peers=not no_peers, lm_eval=lm_eval,
+                        lm_eval_limit=lm_eval_limit)
     _finish(*run_validate(args, log=lambda m: click.echo(m, err=True)))
 
 

@@ -23,6 +23,7 @@ class ArtifactRow:
     ppl_increase_pct: float = 0.0  # mean over sets of the perplexity increase
     failed_gate: bool = False
     notes: list[str] = field(default_factory=list)
+    lm_eval: dict = field(default_factory=dict)  # task -> [{metric, value, stderr}]
 
 
 def throughput(row: ArtifactRow) -> float | None:
@@ -74,6 +75,28 @@ def table(rows: list[ArtifactRow], sets: list[str]) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in lines)
 
 
+def lm_eval_table(rows: list[ArtifactRow], markdown: bool = False) -> str:
+    """One line per row, one column per lm-eval task metric: "value ±stderr"; "" without scores."""
+    cols = list(dict.fromkeys((t, m["metric"]) for r in rows for t, ms in r.lm_eval.items() for m in ms))
+    if not cols:
+        return ""
+    lines = [["artifact"] + [f"{t} {m}" for t, m in cols]]
+    for r in rows:
+        got = {(t, m["metric"]): m for t, ms in r.lm_eval.items() for m in ms}
+        lines.append([r.name] + [_fmt_score(got.get(c)) for c in cols])
+    if markdown:
+        out = ["| " + " | ".join(lines[0]) + " |", "|" + " --- |" * len(lines[0])]
+        return "\n".join(out + ["| " + " | ".join(row) + " |" for row in lines[1:]])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
+
+
+def _fmt_score(m: dict | None) -> str:
+    if m is None:
+        return "-"
+    return f"{m['value']:.4g}" + (f" ±{m['stderr']:.2g}" if m.get("stderr") is not None else "")
+
+
 def _markdown(rows: list[ArtifactRow], sets: list[str], meta: dict) -> str:
     out = [f"# dsquant validate report", "",
            f"Baseline `{meta['baseline']}`; device {meta['device_label']}; {meta['date']}.", "",
@@ -96,6 +119,10 @@ def _markdown(rows: list[ArtifactRow], sets: list[str], meta: dict) -> str:
             tp = r.latency["throughput_tok_s"]
             out.append(f"| {r.name} | {r.latency['ttft_s'] * 1e3:.1f} | {r.latency['tpot_s'] * 1e3:.2f} | "
                        + " | ".join(f"{tp[b]:.0f}" for b in tp) + " |")
+    if lm_eval_table(rows):
+        lm = meta.get("lm_eval", {})
+        out += ["", f"## lm-evaluation-harness (lm-eval {lm.get('version', '?')}, {lm.get('model', '')}; "
+                f"limit {lm.get('limit') or 'none'}; ± standard error)", "", lm_eval_table(rows, markdown=True)]
     out += ["", "## Summary", "", "```", table(rows, sets), "```", ""]
     notes = [f"- {r.name}: {n}" for r in rows for n in r.notes] + [f"- {n}" for n in meta.get("notes", [])]
     if notes:

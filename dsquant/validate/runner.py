@@ -33,6 +33,8 @@ class ValidateArgs:
     latency: bool = True
     latency_spec: LatencySpec | None = None  # None: LatencySpec.for_device(device)
     peers: bool = True  # bitsandbytes NF4 / INT8 on the baseline, when installed
+    lm_eval: str | None = None  # lm-eval tasks (names, paths), run against `dsquant serve` of each checkpoint
+    lm_eval_limit: int | None = None  # examples per lm-eval task
 
 
 def _runtime_model(path: str, device: str):
@@ -66,6 +68,12 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
     from dsquant.data import eval_tokens
     from dsquant.data.tokenizer import load_tokenizer
 
+    lm_spec = None
+    if args.lm_eval is not None:  # fail before any work: lm_eval missing, unknown task
+        from dsquant.validate.harness import check_lm_eval, parse_tasks
+
+        lm_version = check_lm_eval()
+        lm_spec = parse_tasks(args.lm_eval, args.lm_eval_limit)
     baseline = resolve_model_dir(args.baseline)
     paths = [resolve_model_dir(a) for a in args.artifacts]
     for p in [baseline, *paths]:
@@ -113,6 +121,8 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
             log(f"latency: {row.name}")
             dtype = torch.bfloat16 if args.device == "cuda" else torch.float32  # one dtype for all rows
             row.latency = asdict(measure_latency(row.path, args.device, spec, dtype=dtype))
+    if lm_spec is not None:
+        _lm_eval_rows(rows, args, lm_spec, log)
     for row in rows[1:]:
         if args.max_ppl_increase is not None and row.ppl_increase_pct > args.max_ppl_increase:
             row.failed_gate = True
@@ -123,6 +133,9 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
             "spec": asdict(spec), "torch": torch.__version__,
             "notes": [] if (bitsandbytes_available() or not args.peers)
             else ["bitsandbytes not installed: its NF4/INT8 peers were not run"]}
+    if lm_spec is not None:
+        meta["lm_eval"] = {"version": lm_version, "tasks": lm_spec.tasks, "limit": lm_spec.limit,
+                           "model": "local-completions over dsquant serve"}
     return rows, write_report(rows, sets, meta, Path(args.out_dir))
 
 
@@ -148,6 +161,21 @@ def _peer_rows(args, baseline, base_model, streams, window, stride, base_acc, lo
         row.notes += notes
         rows.append(row)
     return rows
+
+
+def _lm_eval_rows(rows: list[ArtifactRow], args: ValidateArgs, spec, log) -> None:
+    """lm-eval scores on each dsquant-served row; a failure becomes the row's note (its server is stopped)."""
+    from dsquant.validate.harness import run_lm_eval
+
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the servers size their KV caches from the free GPU memory
+    for row in rows:
+        if row.method.startswith("bitsandbytes"):
+            continue
+        try:
+            row.lm_eval = run_lm_eval(row.path, row.name, args.device, spec, Path(args.out_dir), log)
+        except Exception as e:  # hours of accuracy work must still reach the report
+            row.notes.append(f"lm-eval failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
 
 
 def set_cpu_threads() -> None:
