@@ -16,14 +16,17 @@ import click
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
               help="Default: cuda when available.")
 @click.option("--max-model-len", default=None, type=int)
+@click.option("--tensor-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Processes to split the model over: one per GPU on cuda, gloo processes on cpu.")
 def generate(artifact: str, prompt: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
-             seed: int | None, device: str | None, max_model_len: int | None) -> None:
+             seed: int | None, device: str | None, max_model_len: int | None, tensor_parallel_size: int) -> None:
     """Generate text from ARTIFACT (a checkpoint or artifact directory, or a bundled model name)."""
     from dsquant.runtime.engine.llm_engine import EngineConfig
     from dsquant.runtime.engine.sequence import SamplingParams
     from dsquant.runtime.llm import LLM
 
-    llm = LLM(artifact, EngineConfig(device=device, max_num_seqs=1, max_model_len=max_model_len))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    out = llm.generate(prompt, params)[0]
+    with LLM(artifact, EngineConfig(device=device, max_num_seqs=1, max_model_len=max_model_len,
+                                    tensor_parallel_size=tensor_parallel_size)) as llm:
+        out = llm.generate(prompt, params)[0]
     click.echo(out.text)

@@ -28,6 +28,16 @@ class LLM:
             raise TypeError("pass either config or keyword overrides, not both")
         self.engine = LLMEngine(_resolve(path), config)
 
+    def close(self) -> None:
+        """Stop tensor-parallel workers (if any); also runs at interpreter exit."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
         """prompts: a string, a list of token ids, or a list of either; one output per prompt, in order."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))

@@ -101,10 +101,12 @@ def load_layer_quantized(model: CausalLM, source: WeightSource, layer: int | Non
 
 def load_runtime_model(path: str | Path, backends: Backends, dtype: torch.dtype | None = None,
                        device: str | torch.device = "cpu", verify: bool = True,
-                       prepare_layer=None, kernels: bool = True) -> CausalLM:
+                       prepare_layer=None, kernels: bool = True, parallel=None) -> CausalLM:
     """The whole model on `device`, every Linear a QuantLinear of its checkpoint's format.
 
-    kernels=False keeps every linear on its pure-torch path (dequantized weight), on CUDA too."""
+    kernels=False keeps every linear on its pure-torch path (dequantized weight), on CUDA too.
+    `parallel` (a runtime.parallel.state.ParallelState): at world size > 1 only this rank's shard
+    is built and read (runtime/parallel/model.py)."""
     if verify:
         verify_manifest(path)
     cfg = load_config(path)
@@ -112,6 +114,10 @@ def load_runtime_model(path: str | Path, backends: Backends, dtype: torch.dtype 
     factory = LinearFactory(cfg.quantization_config, reader, kernels=kernels)
     backends = Backends(linear=factory, attention=backends.attention, moe=backends.moe, extra=backends.extra)
     model = CausalLM(cfg, backends)
+    if parallel is not None and parallel.world_size > 1:
+        from dsquant.runtime.parallel.model import shard_model
+
+        reader = shard_model(model, reader, parallel)
     source = WeightSource(reader, cfg)
     dtype = dtype or default_dtype(cfg)
     with torch.no_grad():

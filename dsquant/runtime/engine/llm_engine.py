@@ -41,6 +41,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 64
     verify_checksums: bool = True
     seed: int = 0
+    tensor_parallel_size: int = 1  # processes, one per GPU (gloo processes on CPU); runtime/parallel
     kernels: bool | None = None  # Triton attention, fused MoE and quantized GEMMs; None: on CUDA (False: pure torch
     # everywhere, the reference path; True on CPU runs attention/MoE under TRITON_INTERPRET=1)
 
@@ -89,46 +90,58 @@ def load_tokenizer(path: Path):
     return Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
+def build_runner(path: Path, c: EngineConfig, device: torch.device, parallel=None,
+                 runner_cls=ModelRunner) -> ModelRunner:
+    """Load the model (this rank's shard when `parallel`, a ParallelState, has world size > 1) with
+    the attention / MoE backends `c` asks for, and its runner (`runner.model`)."""
+    from dsquant.runtime.loader import load_runtime_model
+
+    use_kernels = c.kernels if c.kernels is not None else device.type == "cuda"
+    if use_kernels:
+        from dsquant.runtime.layers.attention_triton import TritonPagedAttention
+        from dsquant.runtime.layers.moe import FusedMoE
+
+        attention, moe = TritonPagedAttention(), FusedMoE()
+
+        def prepare(decoder_layer):  # before each Linear repacks (and drops) its checkpoint tensors
+            attention.prepare(decoder_layer)
+            moe.prepare(decoder_layer)
+    else:
+        from dsquant.runtime.layers.attention import TorchPagedAttention
+        from dsquant.runtime.layers.moe import LoopMoE
+
+        attention, moe, prepare = TorchPagedAttention(), LoopMoE(), None
+    model = load_runtime_model(path, Backends(attention=attention, moe=moe), c.dtype, device,
+                               verify=c.verify_checksums, prepare_layer=prepare,
+                               kernels=use_kernels, parallel=parallel)
+    dtype = next(model.parameters()).dtype if c.dtype is None else c.dtype
+    max_model_len = c.max_model_len or model.config.max_position_embeddings
+    return runner_cls(model, attention, RunnerConfig(
+        device=device, dtype=dtype, block_size=c.block_size, max_model_len=max_model_len,
+        max_num_batched_tokens=c.max_num_batched_tokens, enforce_eager=c.enforce_eager,
+        cuda_graph_max_batch=min(c.cuda_graph_max_batch, c.max_num_seqs)), seed=c.seed)
+
+
 class LLMEngine:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None):
-        from dsquant.runtime.loader import load_runtime_model
-
         self.config = c = config or EngineConfig()
         self.path = Path(model_path)
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        use_kernels = c.kernels if c.kernels is not None else device.type == "cuda"
-        if use_kernels:
-            from dsquant.runtime.layers.attention_triton import TritonPagedAttention
-            from dsquant.runtime.layers.moe import FusedMoE
+        self.workers = None  # runtime.parallel.launch.Workers when tensor_parallel_size > 1
+        if c.tensor_parallel_size > 1:
+            from dsquant.runtime.parallel.launch import start_tensor_parallel
 
-            attention, moe = TritonPagedAttention(), FusedMoE()
-
-            def prepare(decoder_layer):  # before each Linear repacks (and drops) its checkpoint tensors
-                attention.prepare(decoder_layer)
-                moe.prepare(decoder_layer)
+            self.workers, self.runner = start_tensor_parallel(self.path, c, device)
         else:
-            from dsquant.runtime.layers.attention import TorchPagedAttention
-            from dsquant.runtime.layers.moe import LoopMoE
-
-            attention, moe, prepare = TorchPagedAttention(), LoopMoE(), None
-        self.model = load_runtime_model(self.path, Backends(attention=attention, moe=moe), c.dtype, device,
-                                        verify=c.verify_checksums, prepare_layer=prepare,
-                                        kernels=use_kernels)
+            self.runner = build_runner(self.path, c, device)
+        self.model = self.runner.model
         cfg = self.model.config
-        dtype = next(self.model.parameters()).dtype if c.dtype is None else c.dtype
-        max_model_len = c.max_model_len or cfg.max_position_embeddings
-        self.runner = ModelRunner(self.model, attention, RunnerConfig(
-            device=device, dtype=dtype, block_size=c.block_size, max_model_len=max_model_len,
-            max_num_batched_tokens=c.max_num_batched_tokens, enforce_eager=c.enforce_eager,
-            cuda_graph_max_batch=min(c.cuda_graph_max_batch, c.max_num_seqs)), seed=c.seed)
-        num_blocks = c.num_blocks
-        if num_blocks is None:
-            num_blocks = (self.runner.profile_num_blocks(c.gpu_memory_utilization) if device.type == "cuda"
-                          else max(1, c.kv_cache_memory // self.runner.bytes_per_block()))
-            # never more than every running sequence at full length could use
-            num_blocks = min(num_blocks, c.max_num_seqs * -(-max_model_len // c.block_size) + 1)
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_cuda_graphs()
+        max_model_len = self.runner.config.max_model_len
+        try:
+            num_blocks = self._allocate_kv_cache(device, max_model_len)
+        except BaseException:
+            self.close()
+            raise
         self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, max_model_len,
                                                    c.enable_chunked_prefill), self.block_manager)
@@ -138,6 +151,24 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(self.path, cfg)
         self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
         self._ids = itertools.count()
+
+    def _allocate_kv_cache(self, device: torch.device, max_model_len: int) -> int:
+        c = self.config
+        num_blocks = c.num_blocks
+        if num_blocks is None:
+            num_blocks = (self.runner.profile_num_blocks(c.gpu_memory_utilization) if device.type == "cuda"
+                          else max(1, c.kv_cache_memory // self.runner.bytes_per_block()))
+            # never more than every running sequence at full length could use
+            num_blocks = min(num_blocks, c.max_num_seqs * -(-max_model_len // c.block_size) + 1)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
+        return num_blocks
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit); idempotent."""
+        if getattr(self, "workers", None) is not None:
+            self.workers.stop()
+            self.workers = None
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str) -> list[int]:

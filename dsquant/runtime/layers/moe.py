@@ -37,7 +37,7 @@ class FusedMoE:
             return
         from dsquant.runtime.kernels.fused_moe import MoeWeights
 
-        experts = list(module.experts)
+        experts = [e for e in module.experts if e is not None]  # None: held by another rank (expert parallel)
         try:
             w13, w2 = self._grouped(module, experts)
         except ValueError as e:  # a shape the quantized grouped GEMM does not take: run bf16 experts

@@ -71,9 +71,11 @@ def build_server(app, shutdown_timeout: float = 30.0, log_level: str = "warning"
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Default: cuda when available.")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds in-flight requests get to finish after SIGTERM.")
+@click.option("--tensor-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Processes to split the model over: one per GPU on cuda, gloo processes on cpu.")
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_num_seqs: int, max_model_len: int | None, max_queue: int, gpu_memory_utilization: float,
-          device: str | None, shutdown_timeout: float) -> None:
+          device: str | None, shutdown_timeout: float, tensor_parallel_size: int) -> None:
     """Serve ARTIFACT (a checkpoint or artifact directory, or a bundled model name) over an OpenAI API."""
     try:
         import fastapi  # noqa: F401
@@ -88,15 +90,19 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     sock = _bind(host, port)  # before loading, so a taken port fails fast
     engine = LLMEngine(resolve_model_dir(artifact), EngineConfig(
         device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization))
-    app = create_app(engine, model_name=served_model_name, api_key=api_key, max_queue=max_queue)
-    logger = logging.getLogger("dsquant.server")
-    logger.setLevel(logging.INFO)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-    bound_host, bound_port = sock.getsockname()[:2]
-    name = app.state.server.model_name
-    click.echo(f"dsquant serve: {name} on http://{bound_host}:{bound_port} (device {engine.device}, "
-               f"max_model_len {engine.max_model_len}, {engine.block_manager.num_blocks} KV blocks)", err=True)
-    build_server(app, shutdown_timeout).run(sockets=[sock])
+        gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size))
+    try:
+        app = create_app(engine, model_name=served_model_name, api_key=api_key, max_queue=max_queue)
+        logger = logging.getLogger("dsquant.server")
+        logger.setLevel(logging.INFO)
+        if not logging.getLogger().handlers:
+            logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+        bound_host, bound_port = sock.getsockname()[:2]
+        name = app.state.server.model_name
+        tp = f", tensor parallel {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+        click.echo(f"dsquant serve: {name} on http://{bound_host}:{bound_port} (device {engine.device}{tp}, "
+                   f"max_model_len {engine.max_model_len}, {engine.block_manager.num_blocks} KV blocks)", err=True)
+        build_server(app, shutdown_timeout).run(sockets=[sock])
+    finally:
+        engine.close()  # stops tensor-parallel workers
     click.echo("dsquant serve: stopped", err=True)

@@ -1,0 +1,39 @@
+"""Expert parallelism: each rank runs the routed experts it holds, the MoE all-reduce sums them.
+
+Rank r holds experts [start, stop) of the global numbering (n_routed_experts / N of them); the
+others are None in `MoE.experts`, so checkpoint names stay `mlp.experts.{global id}`. Routing is
+replicated (every rank computes the same top-k), and each rank adds up its own experts'
+weighted outputs; tokens routed elsewhere contribute zero here.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsquant.models.moe import LoopMoE
+
+
+class ExpertParallel:
+    """Wraps the experts backend of one MoE module with this rank's expert range."""
+
+    def __init__(self, inner, start: int, stop: int):
+        self.inner, self.start, self.stop = inner, start, stop
+
+    def experts(self, module, x, topk_ids, topk_weights):
+        # x [T, hidden]; topk_ids (global ids), topk_weights [T, k] -> partial sum [T, hidden]
+        if isinstance(self.inner, LoopMoE):
+            return self._loop(module, x, topk_ids, topk_weights)
+        # grouped backends (FusedMoE) stacked only the local experts: renumber from 0, and give
+        # assignments to other ranks' experts weight 0 (they still cost a row of compute)
+        local = (topk_ids >= self.start) & (topk_ids < self.stop)
+        ids = torch.where(local, topk_ids - self.start, torch.zeros_like(topk_ids))
+        return self.inner.experts(module, x, ids, topk_weights * local)
+
+    def _loop(self, module, x, topk_ids, topk_weights):
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in torch.unique(topk_ids).tolist():
+            if not self.start <= e < self.stop:
+                continue
+            token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            y = module.experts[e](x[token])  # [n_e, hidden]
+            out.index_add_(0, token, y.to(torch.float32) * topk_weights[token, slot, None])
+        return out.to(x.dtype)

@@ -1,0 +1,308 @@
+"""Tensor parallelism (runtime/parallel): shards hold exactly their slice of each weight format;
+TP=2 (two gloo processes on CPU) gives the logits and greedy tokens of TP=1 on both bundled
+models for BF16, INT4 (RTN, AWQ gemm layout) and FP8 block artifacts; bad sizes are refused.
+
+Tolerances (float32 engine): BF16 and INT4 logits agree to 1e-4 (measured ~1e-5: the partial
+sums of row-parallel layers add in another order). FP8 block is W8A8: activations are re-quantized
+to FP8 before each FP8 linear, so a 1e-7 reduction-order difference can flip an FP8 rounding and
+move a logit by ~0.1-0.5 (the TP=1 dsq-tiny-qwen2 FP8 artifact moves 0.47 under 1e-7 relative
+noise on its attention outputs); FP8 logits are held to 1.0 end to end, and each FP8 shard is
+held to 1e-5 on identical inputs by the layer tests.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dsquant import formats
+from dsquant.errors import ConfigError
+from dsquant.models.checkpoint import layer_of
+from dsquant.runtime.layers.linear import QuantLinear
+from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod
+from dsquant.runtime.parallel import linear as tp_linear
+from dsquant.runtime.parallel.linear import COLUMN, ROW, ActQuantDenseMethod, Part, RowShardFP8Method, shard_linear
+from dsquant.runtime.parallel.state import ParallelState
+
+P = "model.layers.0.mlp.down_proj"
+
+
+class DictReader:
+    """The slice of CheckpointReader that shard_linear reads."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def layer_keys(self, layer):
+        return [k for k in self.tensors if layer_of(k) == layer]
+
+    def get(self, key):
+        return self.tensors[key]
+
+    def __contains__(self, key):
+        return key in self.tensors
+
+
+def checkpoint(scheme: str, n: int, k: int, group: int = 128, act_order: bool = False, seed: int = 0):
+    """-> (tensors of module P in `scheme`, the dense [N, K] weight they encode, the method)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.1
+    if scheme == "dense":
+        return {f"{P}.weight": w, f"{P}.bias": torch.randn(n, generator=g)}, w, DenseMethod()
+    if scheme == "fp8":
+        fp8, sinv = formats.quantize_fp8_block(w)
+        return ({f"{P}.weight": fp8, f"{P}.weight_scale_inv": sinv}, formats.dequantize_fp8_block(fp8, sinv),
+                FP8BlockMethod())
+    q, s, z = formats.quantize_int_groupwise(w, group)
+    if scheme == "awq":
+        qw, qz, sc = formats.to_awq_tensors(q, s, z)
+        return ({f"{P}.qweight": qw, f"{P}.qzeros": qz, f"{P}.scales": sc},
+                formats.dequantize_awq(qw, qz, sc, group), AWQMethod(group_size=group))
+    qw, qz, sc, g_idx = formats.to_gptq_tensors(q, s, z, group)
+    if act_order:  # the same codes, channels visited in a random order: g_idx no longer plain
+        perm = torch.randperm(k, generator=g)
+        qw = formats.pack_gptq_qweight(formats.unpack_gptq_qweight(qw)[perm])
+        g_idx = g_idx[perm]
+    return ({f"{P}.qweight": qw, f"{P}.qzeros": qz, f"{P}.scales": sc, f"{P}.g_idx": g_idx},
+            formats.dequantize_gptq(qw, qz, sc, g_idx), GPTQMethod(group_size=group))
+
+
+def load_shard(tensors, method, n, k, kind, rank, world=2, bias=False):
+    """Shard a fresh meta QuantLinear for `rank` and fill it from the rules, as the loader would."""
+    reader = DictReader(tensors)
+    layer = QuantLinear(method, P, k, n, bias)
+    total = n if kind == COLUMN else k
+    dense = {f"{P}.weight": None}
+
+    def dense_weight(key):  # models.loader.WeightSource.dense_weight over the full checkpoint
+        return dense[key]
+
+    dense[f"{P}.weight"] = checkpoint_dense(tensors, method)
+    parts = [Part.of(total, r, world) for r in range(world)]
+    rules, hidden = shard_linear(layer, kind, parts, ParallelState(rank, world), reader, dense_weight)
+    for name, meta in list(layer._parameters.items()):
+        key = f"{P}.{name}"
+        t = rules[key]() if key in rules else reader.get(key)
+        assert tuple(t.shape) == tuple(meta.shape), key
+        layer._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
+    return layer, hidden
+
+
+def checkpoint_dense(tensors, method):
+    if f"{P}.weight" in tensors and tensors[f"{P}.weight"].dtype.is_floating_point and method.name == "dense":
+        return tensors[f"{P}.weight"]
+    if method.name == "fp8_block":
+        return formats.dequantize_fp8_block(tensors[f"{P}.weight"], tensors[f"{P}.weight_scale_inv"])
+    if method.name == "awq":
+        return formats.dequantize_awq(tensors[f"{P}.qweight"], tensors[f"{P}.qzeros"], tensors[f"{P}.scales"],
+                                      method.group_size)
+    return formats.dequantize_gptq(*(tensors[f"{P}.{a}"] for a in ("qweight", "qzeros", "scales", "g_idx")))
+
+
+# scheme, N, K, kind, kwargs, the method each rank's shard must keep (None: same as the checkpoint's)
+CASES = [
+    ("dense", 256, 128, COLUMN, {}, None),
+    ("dense", 128, 256, ROW, {}, None),
+    ("awq", 256, 256, COLUMN, {}, None),
+    ("awq", 256, 256, ROW, {}, None),  # K 128 per rank: whole groups
+    ("awq", 256, 128, ROW, {}, None),  # K 64 per rank inside one 128-group: re-grouped to 64
+    ("awq", 24, 128, COLUMN, {}, "dense"),  # 12 columns per rank: not whole int32 packs
+    ("gptq", 256, 256, COLUMN, {}, None),
+    ("gptq", 256, 128, ROW, {}, None),  # plain g_idx: re-grouped
+    ("gptq", 256, 256, ROW, {"act_order": True}, "dense"),
+    ("fp8", 128, 256, COLUMN, {}, None),  # 64 rows per rank inside one 128-block
+    ("fp8", 256, 512, ROW, {}, None),
+    ("fp8", 256, 128, ROW, {}, None),  # 64 channels per rank: activation groups span ranks
+    ("fp8", 384, 128, COLUMN, {}, "dense"),  # rank 1's rows [192, 384) straddle blocks 1 and 2: both dense
+]
+
+
+@pytest.mark.parametrize("scheme,n,k,kind,kw,expect", CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}-{c[3]}" for c in CASES])
+def test_each_rank_holds_exactly_its_slice_of_the_weight(scheme, n, k, kind, kw, expect):
+    tensors, w, method = checkpoint(scheme, n, k, **kw)
+    for rank in range(2):
+        layer, hidden = load_shard(tensors, method, n, k, kind, rank)
+        part = Part.of(n if kind == COLUMN else k, rank, 2)
+        want = w[part.slice] if kind == COLUMN else w[:, part.slice]
+        assert layer.method.name == (expect or method.name)
+        got = layer.method.dequantized_weight(layer, torch.float32)
+        torch.testing.assert_close(got, want.float(), rtol=0, atol=0)
+        if expect == "dense":  # the packed tensors are not read again under their own names
+            assert hidden and all(key in tensors for key in hidden)
+            # a W8A8 layer loaded dense still quantizes its activations
+            assert isinstance(layer.method, ActQuantDenseMethod) == (scheme == "fp8")
+
+
+def test_row_parallel_bias_stays_on_rank_0_and_partial_outputs_sum_to_the_full_layer():
+    tensors, w, method = checkpoint("dense", 96, 128)
+    x = torch.randn(5, 128)
+    parts = []
+    for rank in range(2):
+        layer, _ = load_shard(tensors, DenseMethod(), 96, 128, ROW, rank, bias=True)
+        parts.append(layer(x[:, Part.of(128, rank, 2).slice]))
+    torch.testing.assert_close(parts[0] + parts[1], x @ w.t() + tensors[f"{P}.bias"], rtol=1e-5, atol=1e-5)
+
+
+def test_awq_regrouped_shard_keeps_a_kernel_group_size():
+    tensors, _, method = checkpoint("awq", 256, 128)
+    layer, _ = load_shard(tensors, method, 256, 128, ROW, 1)
+    assert layer.method.group_size == 64 and layer.scales.shape == (1, 256)
+
+
+def test_fp8_activation_groups_split_across_ranks_quantize_like_the_unsplit_layer(monkeypatch):
+    """The W8A8 activation quantization of a K split inside 128-channel groups uses the amax of
+    the whole group (all-reduced), so the ranks' inputs are the unsplit layer's, bit for bit."""
+    x = torch.randn(7, 320) * torch.linspace(0.1, 3, 320)
+    parts = [Part(0, 96), Part(96, 320)]
+    seen = []
+    monkeypatch.setattr(tp_linear, "all_reduce_max", lambda t, state: seen.append(t.clone()) or t)
+    for part in parts:
+        tp_linear.sharded_activation_roundtrip(x[:, part.slice], part.start, 320, None, 128)
+    both = torch.maximum(*seen)
+    monkeypatch.setattr(tp_linear, "all_reduce_max", lambda t, state: t.copy_(both))
+    got = torch.cat([tp_linear.sharded_activation_roundtrip(x[:, p.slice], p.start, 320, None, 128)
+                     for p in parts], dim=-1)
+    assert torch.equal(got, formats.fp8_activation_roundtrip(x))
+    tensors, _, method = checkpoint("fp8", 256, 128)
+    layer, _ = load_shard(tensors, method, 256, 128, ROW, 1)
+    assert isinstance(layer.method, RowShardFP8Method) and layer.method.k_start == 64
+
+
+# ---------------------------------------------------------------- TP=2 processes against TP=1
+MODELS = ("dsq-tiny-v3", "dsq-tiny-qwen2")
+RECIPES = {"bf16": None, "int4": "rtn-w4g128", "fp8": "fp8-block"}
+TOLERANCE = {"bf16": 1e-4, "int4": 1e-4, "fp8": 1.0}
+PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 12], [8, 8, 200, 3000, 4], list(range(20, 50))]
+MEASURED: dict = {}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """(model, scheme) -> directory: the bundled BF16 checkpoints and their INT4 / FP8 artifacts."""
+    from dsquant.assets import bundled_model_path
+    from dsquant.calibrate.pipeline import QuantizeArgs, run_quantize
+
+    root, out = tmp_path_factory.mktemp("tp_artifacts"), {}
+    for model in MODELS:
+        for scheme, recipe in RECIPES.items():
+            base = bundled_model_path(model)
+            out[model, scheme] = base if recipe is None else run_quantize(
+                QuantizeArgs(str(base), recipe, str(root / f"{model}-{scheme}"), n_samples=2, seqlen=32)).out_dir
+    return out
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two ranks on a 2-core machine
+    yield
+    torch.set_num_threads(threads)
+
+
+def greedy_with_logits(path, tp: int, monkeypatch):
+    """Greedy tokens per prompt and every step's sampled logits [S, vocab] (rank 0's, gathered)."""
+    from dsquant.runtime.engine import model_runner
+    from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
+    from dsquant.runtime.engine.sequence import SamplingParams
+
+    steps, sample = [], model_runner.sample
+    monkeypatch.setattr(model_runner, "sample", lambda logits, t, g: (steps.append(logits.clone()), sample(logits, t, g))[1])
+    engine = LLMEngine(path, EngineConfig(device="cpu", dtype=torch.float32, tensor_parallel_size=tp,
+                                          max_num_seqs=4, max_model_len=128))
+    try:
+        order = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for p in PROMPTS]
+        tokens = {}
+        while engine.has_unfinished():
+            tokens.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    finally:
+        engine.close()
+        monkeypatch.setattr(model_runner, "sample", sample)
+    return [tokens[r] for r in order], steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scheme", list(RECIPES))
+@pytest.mark.parametrize("model", MODELS)
+def test_tp2_gives_the_logits_and_greedy_tokens_of_tp1(model, scheme, artifacts, one_thread, monkeypatch):
+    import multiprocessing
+
+    tokens1, logits1 = greedy_with_logits(artifacts[model, scheme], 1, monkeypatch)
+    tokens2, logits2 = greedy_with_logits(artifacts[model, scheme], 2, monkeypatch)
+    assert not multiprocessing.active_children()  # the worker was stopped and joined
+    assert tokens2 == tokens1
+    assert len(logits2) == len(logits1) and logits1[0].shape[-1] == 8192
+    diff = max((a - b).abs().max().item() for a, b in zip(logits1, logits2))
+    MEASURED[model, scheme] = diff
+    print(f"\n{model} {scheme}: max |logit TP=2 - TP=1| = {diff:.3g}")
+    assert diff <= TOLERANCE[scheme]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_engine_stops_its_workers_when_start_up_fails(monkeypatch, one_thread):
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
+
+    def boom(self, device, max_model_len):
+        raise RuntimeError("KV cache allocation failed")
+
+    monkeypatch.setattr(LLMEngine, "_allocate_kv_cache", boom)
+    with pytest.raises(RuntimeError, match="KV cache allocation failed"):
+        LLMEngine("dsquant/assets/models/dsq-tiny-qwen2", EngineConfig(device="cpu", tensor_parallel_size=2))
+    assert not multiprocessing.active_children() and not dist.is_initialized()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_generate_cli_with_two_processes_prints_the_text_of_one():
+    """The real entry point (`python -m dsquant`, which spawned workers re-import)."""
+    import subprocess
+    import sys
+
+    def generate(*extra):
+        args = ["generate", "dsq-tiny-qwen2", "--prompt", "The river", "--max-tokens", "6", "--device", "cpu"]
+        return subprocess.run([sys.executable, "-m", "dsquant", *args, *extra], capture_output=True, text=True,
+                              timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    one, two = generate(), generate("--tensor-parallel-size", "2")
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.strip() and two.stdout == one.stdout
+
+
+# ---------------------------------------------------------------- refused sizes
+def test_sizes_that_do_not_split_the_model_are_refused_naming_the_flag():
+    from dsquant.assets import bundled_model_path
+    from dsquant.config import load_config
+    from dsquant.runtime.parallel.model import check_tensor_parallel
+
+    v3, qwen = (load_config(bundled_model_path(m)) for m in MODELS)
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 3 does not divide num_attention_heads 4"):
+        check_tensor_parallel(v3, 3, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 4 does not divide num_key_value_heads 2"):
+        check_tensor_parallel(qwen, 4, torch.device("cpu"))
+    v3.num_attention_heads = 32
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 32 does not divide n_routed_experts 16"):
+        check_tensor_parallel(v3, 32, torch.device("cpu"))
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ConfigError, match=r"--tensor-parallel-size 64 exceeds the \d+ CUDA GPUs present"):
+            check_tensor_parallel(qwen, 64, torch.device("cuda"))
+    check_tensor_parallel(v3, 2, torch.device("cpu"))  # 2 divides everything
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_refuses_a_size_that_does_not_divide_the_heads(command, capsys):
+    from dsquant.cli import main
+
+    if command == "serve":
+        pytest.importorskip("fastapi")
+    args = [command, "dsq-tiny-v3", "--device", "cpu", "--tensor-parallel-size", "3"]
+    args += ["--prompt", "hi"] if command == "generate" else ["--port", "0"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert "error: --tensor-parallel-size 3 does not divide num_attention_heads 4" in capsys.readouterr().err
