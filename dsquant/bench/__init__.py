@@ -13,6 +13,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("moe", "moe"),
     ("gemm", "gemm"),
     ("serve", "serve"),
+    ("engine", "engine"),
 ]
 
 

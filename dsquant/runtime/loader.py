@@ -101,16 +101,17 @@ def load_layer_quantized(model: CausalLM, source: WeightSource, layer: int | Non
 
 def load_runtime_model(path: str | Path, backends: Backends, dtype: torch.dtype | None = None,
                        device: str | torch.device = "cpu", verify: bool = True,
-                       prepare_layer=None, kernels: bool = True, parallel=None) -> CausalLM:
+                       prepare_layer=None, kernels: bool = True, reader=None, parallel=None) -> CausalLM:
     """The whole model on `device`, every Linear a QuantLinear of its checkpoint's format.
 
     kernels=False keeps every linear on its pure-torch path (dequantized weight), on CUDA too.
+    `reader` replaces the CheckpointReader of `path` (benchmarks pass random weights made on demand).
     `parallel` (a runtime.parallel.state.ParallelState): at world size > 1 only this rank's shard
     is built and read (runtime/parallel/model.py)."""
     if verify:
         verify_manifest(path)
     cfg = load_config(path)
-    reader = CheckpointReader(path)
+    reader = reader if reader is not None else CheckpointReader(path)
     factory = LinearFactory(cfg.quantization_config, reader, kernels=kernels)
     backends = Backends(linear=factory, attention=backends.attention, moe=backends.moe, extra=backends.extra)
     model = CausalLM(cfg, backends)

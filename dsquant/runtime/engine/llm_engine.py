@@ -90,7 +90,7 @@ def load_tokenizer(path: Path):
     return Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
-def build_runner(path: Path, c: EngineConfig, device: torch.device, parallel=None,
+def build_runner(path: Path, c: EngineConfig, device: torch.device, reader=None, parallel=None,
                  runner_cls=ModelRunner) -> ModelRunner:
     """Load the model (this rank's shard when `parallel`, a ParallelState, has world size > 1) with
     the attention / MoE backends `c` asks for, and its runner (`runner.model`)."""
@@ -113,7 +113,11 @@ def build_runner(path: Path, c: EngineConfig, device: torch.device, parallel=Non
         attention, moe, prepare = TorchPagedAttention(), LoopMoE(), None
     model = load_runtime_model(path, Backends(attention=attention, moe=moe), c.dtype, device,
                                verify=c.verify_checksums, prepare_layer=prepare,
-                               kernels=use_kernels, parallel=parallel)
+                               kernels=use_kernels, reader=reader, parallel=parallel)
+    if use_kernels and device.type == "cuda":
+        from dsquant.runtime.layers.fused import use_fused_ops
+
+        use_fused_ops(model)  # Triton RMSNorm, residual add fused into the post-attention norm
     dtype = next(model.parameters()).dtype if c.dtype is None else c.dtype
     max_model_len = c.max_model_len or model.config.max_position_embeddings
     return runner_cls(model, attention, RunnerConfig(
@@ -123,17 +127,21 @@ def build_runner(path: Path, c: EngineConfig, device: torch.device, parallel=Non
 
 
 class LLMEngine:
-    def __init__(self, model_path: str | Path, config: EngineConfig | None = None):
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, reader=None):
+        """`reader`: a CheckpointReader stand-in for `model_path`'s weights (bench.random_model)."""
         self.config = c = config or EngineConfig()
         self.path = Path(model_path)
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.workers = None  # runtime.parallel.launch.Workers when tensor_parallel_size > 1
         if c.tensor_parallel_size > 1:
+            if reader is not None:
+                raise DsquantError("--tensor-parallel-size: workers read the checkpoint themselves; "
+                                   "a stand-in reader needs tensor_parallel_size 1")
             from dsquant.runtime.parallel.launch import start_tensor_parallel
 
             self.workers, self.runner = start_tensor_parallel(self.path, c, device)
         else:
-            self.runner = build_runner(self.path, c, device)
+            self.runner = build_runner(self.path, c, device, reader=reader)
         self.model = self.runner.model
         cfg = self.model.config
         max_model_len = self.runner.config.max_model_len

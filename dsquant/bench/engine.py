@@ -1,0 +1,289 @@
+"""`dsquant bench engine`: the whole engine on a DeepSeek-V2-Lite-shaped model of random weights.
+
+For each scheme (BF16, FP8 block, INT4 RTN AWQ g128; bench.random_model makes the weights on the
+GPU, the same draws for every scheme) in one run, with transformers' `generate` on the BF16 model
+as the peer:
+  - batch-1 decode tokens/s (input 512): 1 / median time between tokens after the first, and its
+    fraction of the roofline (bytes one token reads over the copy bandwidth, 4.25 TB/s on an H200:
+    every non-expert weight but the embedding, top-k/E of the routed experts, the KV cache);
+  - output tokens/s with N concurrent sequences (input 512, output 256; wall time incl. prefill);
+  - optionally one long prompt (V2-Lite's YaRN context, 131072) through chunked prefill: TTFT and
+    the KV-cache memory it holds;
+  - optionally the HTTP serving benchmark (bench.serve_local) at several concurrencies.
+Results stream into --json after every measurement, so a run cut short keeps what it measured.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+
+
+@dataclass
+class EngineBenchSpec:
+    schemes: tuple[str, ...] = ("int4", "bf16", "fp8")
+    num_layers: int | None = None  # None: the config's (27 for V2-Lite)
+    input_len: int = 512
+    batch1_output: int = 128
+    concurrency: int = 64
+    concurrent_output: int = 256
+    long_context: int = 0  # prompt length of the long-context request (0: skip)
+    long_scheme: str = "int4"
+    serve_concurrencies: tuple[int, ...] = ()  # HTTP runs for fp8/int4 (empty: skip)
+    serve_output: int = 128
+    peer_batches: tuple[int, ...] = (1, 16)  # transformers generate (empty: skip)
+    peer_output: int = 32
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.88
+    bandwidth_tbs: float = 4.25
+    device: str = "cuda"
+    seed: int = 0
+    config: dict = field(default_factory=dict)  # overrides of V2_LITE (tiny shapes for CPU tests)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (n, length), generator=g).tolist()
+
+
+def run_requests(engine, prompts: list[list[int]], output_len: int) -> dict:
+    """Add every prompt, step until done; wall time, output tok/s, per-request token times."""
+    from dsquant.runtime.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    _sync(engine.device)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    times: dict[str, list[float]] = {i: [] for i in ids}
+    peak_blocks = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        peak_blocks = max(peak_blocks, engine.block_manager.num_blocks - engine.block_manager.num_free_blocks)
+        for o in outs:
+            times[o.request_id].extend([now] * len(o.new_token_ids))
+    wall = time.perf_counter() - start
+    total_out = sum(len(t) for t in times.values())
+    gaps = [b - a for t in times.values() for a, b in zip(t, t[1:])]
+    return {"wall_s": wall, "output_tokens": total_out, "output_tok_s": total_out / wall,
+            "ttft_s": statistics.median(t[0] - start for t in times.values()),
+            "tpot_ms": 1e3 * statistics.median(gaps) if gaps else None, "peak_kv_blocks": peak_blocks}
+
+
+def build_engine(scheme: str, spec: EngineBenchSpec, workdir: Path, max_model_len: int):
+    """(engine, reader, load seconds) for `scheme` on the random model."""
+    from dsquant.bench.random_model import V2_LITE, RandomCheckpointReader, make_config_dir
+    from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
+
+    overrides = dict(spec.config)
+    if spec.num_layers:
+        overrides["num_hidden_layers"] = spec.num_layers
+    path = make_config_dir(workdir / scheme, V2_LITE, scheme, **overrides)
+    reader = RandomCheckpointReader(path, device=spec.device, seed=spec.seed)
+    start = time.perf_counter()
+    engine = LLMEngine(path, EngineConfig(
+        device=spec.device, max_num_seqs=max(spec.concurrency, max(spec.serve_concurrencies, default=1)),
+        max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=max_model_len,
+        gpu_memory_utilization=spec.gpu_memory_utilization, verify_checksums=False,
+        kv_cache_memory=1 << 30), reader=reader)
+    _sync(spec.device)
+    return engine, reader, time.perf_counter() - start
+
+
+def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit) -> None:
+    import torch
+
+    from dsquant.bench.random_model import bytes_per_decode_token
+
+    long_len = spec.long_context if scheme == spec.long_scheme else 0
+    max_len = max(spec.input_len + max(spec.concurrent_output, spec.batch1_output, spec.serve_output) + 8,
+                  long_len + 16)
+    engine, reader, load_s = build_engine(scheme, spec, workdir, max_len)
+    vocab = min(engine.model.config.vocab_size, 32000)
+    row = {"scheme": scheme, "load_s": load_s, "linear_methods": engine.model.linear_methods,
+           "kv_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
+           "kv_bytes_per_block": engine.runner.bytes_per_block()}
+    if spec.device.startswith("cuda"):
+        row["weights_gb"] = torch.cuda.memory_allocated() / 1e9
+    run_requests(engine, _prompts(2, spec.input_len, vocab, 99), 8)  # warm-up: compiles, allocator
+    b1 = run_requests(engine, _prompts(1, spec.input_len, vocab, spec.seed), spec.batch1_output)
+    roof = bytes_per_decode_token(reader, spec.input_len + spec.batch1_output // 2)
+    decode_tok_s = 1e3 / b1["tpot_ms"]
+    row["batch1"] = {**b1, "decode_tok_s": decode_tok_s, "roofline_bytes": roof,
+                     "roofline_tok_s": spec.bandwidth_tbs * 1e12 / roof["total"],
+                     "fraction_of_roofline": decode_tok_s * roof["total"] / (spec.bandwidth_tbs * 1e12)}
+    emit(row)
+    if spec.concurrency:
+        row["concurrent"] = {"concurrency": spec.concurrency, **run_requests(
+            engine, _prompts(spec.concurrency, spec.input_len, vocab, spec.seed + 1), spec.concurrent_output)}
+        emit(row)
+    if spec.serve_concurrencies and scheme != "bf16":
+        row["serve"] = serve_runs(engine, spec, vocab)
+        emit(row)
+    if long_len:
+        r = run_requests(engine, _prompts(1, long_len, vocab, spec.seed + 2), 4)
+        row["long_context"] = {"prompt_tokens": long_len, "ttft_s": r["ttft_s"], "tpot_ms": r["tpot_ms"],
+                               "kv_gb": r["peak_kv_blocks"] * row["kv_bytes_per_block"] / 1e9,
+                               "max_num_batched_tokens": spec.max_num_batched_tokens}
+        emit(row)
+    del engine
+    gc.collect()
+    if spec.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def serve_runs(engine, spec: EngineBenchSpec, vocab: int) -> dict:
+    """HTTP benchmark per concurrency (4x as many prompts as the concurrency, at least 4), with the
+    offline peer on the prompts of the largest concurrency."""
+    import asyncio
+    from dataclasses import replace
+
+    from dsquant.bench.serve_client import ServeBenchSpec, run_serve_benchmark
+    from dsquant.bench.serve_data import BenchPrompt
+    from dsquant.bench.serve_local import device_name, offline_throughput, serve_engine
+
+    top = max(spec.serve_concurrencies)
+    ids = _prompts(2 * top, spec.input_len, vocab, spec.seed + 3)
+    prompts = [BenchPrompt(token_ids=p) for p in ids]  # sent as token ids
+    offline = offline_throughput(engine, prompts, spec.serve_output)
+    base = ServeBenchSpec(input_len=spec.input_len, output_len=spec.serve_output)
+    runs = []
+    with serve_engine(engine, max_queue=max(256, len(prompts))) as url:
+        for c in spec.serve_concurrencies:
+            sub = prompts[: max(4, 2 * c)]
+            r = asyncio.run(run_serve_benchmark(url, replace(base, max_concurrency=c, num_prompts=len(sub)),
+                                                sub, device_name(engine)))
+            keep = {k: v for k, v in r.items() if not isinstance(v, list)}
+            if c == top:
+                keep["offline_ratio"] = r["output_throughput"] / offline["output_throughput"]
+            runs.append(keep)
+    return {"offline": offline, "runs": runs}
+
+
+def hf_peer(spec: EngineBenchSpec) -> list[dict]:
+    """transformers' generate on the BF16 random model: tokens/s at each batch (input 512)."""
+    import torch
+    import transformers
+
+    from dsquant.bench.random_model import V2_LITE
+
+    cfg_dict = {**V2_LITE, **spec.config}
+    if spec.num_layers:
+        cfg_dict["num_hidden_layers"] = spec.num_layers
+    cfg_dict.pop("architectures", None)
+    config = transformers.DeepseekV2Config(**cfg_dict)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: no fp32 copy of 15.7B
+    try:
+        with torch.device(spec.device):
+            model = transformers.DeepseekV2ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    rows = []
+    for b in spec.peer_batches:
+        x = torch.randint(10, 32000 if config.vocab_size > 32000 else config.vocab_size, (b, spec.input_len),
+                          device=spec.device)
+        timings = {}
+        for n in (1, spec.peer_output):
+            model.generate(x, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
+            _sync(spec.device)
+            t = time.perf_counter()
+            model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            _sync(spec.device)
+            timings[n] = time.perf_counter() - t
+        rows.append({"batch": b, "output_tokens": spec.peer_output, "wall_s": timings[spec.peer_output],
+                     "output_tok_s": b * spec.peer_output / timings[spec.peer_output],
+                     "decode_tok_s": b * (spec.peer_output - 1) / (timings[spec.peer_output] - timings[1])})
+    del model
+    gc.collect()
+    if spec.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_engine_bench(spec: EngineBenchSpec, json_path: str | None) -> dict:
+    from dsquant.bench.common import environment
+
+    result = {"env": environment(), "spec": asdict(spec), "schemes": {}, "peer": None}
+
+    def emit(row=None):
+        if row is not None:
+            result["schemes"][row["scheme"]] = row
+        if json_path:
+            Path(json_path).write_text(json.dumps(result, indent=1, default=str))
+
+    if spec.peer_batches:  # first, while the whole GPU is free
+        result["peer"] = hf_peer(spec)
+        emit()
+    with tempfile.TemporaryDirectory() as tmp:
+        for scheme in spec.schemes:
+            bench_scheme(scheme, spec, Path(tmp), emit)
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = ["| scheme | batch-1 decode tok/s | roofline tok/s | fraction | vs dsquant bf16 | "
+             "concurrent output tok/s | vs dsquant bf16 |", "|---|---|---|---|---|---|---|"]
+    rows = result["schemes"]
+    base = rows.get("bf16", {})
+    for name, r in rows.items():
+        b1 = r.get("batch1", {})
+        c = r.get("concurrent", {})
+        rel = (lambda a, k: f"{a / base[k]['decode_tok_s' if k == 'batch1' else 'output_tok_s']:.2f}x"
+               if base.get(k) else "-")
+        lines.append(f"| {name} | {b1.get('decode_tok_s', 0):.1f} | {b1.get('roofline_tok_s', 0):.0f} | "
+                     f"{b1.get('fraction_of_roofline', 0):.0%} | {rel(b1.get('decode_tok_s', 0), 'batch1')} | "
+                     f"{c.get('output_tok_s', 0):.0f} | {rel(c.get('output_tok_s', 0), 'concurrent')} |")
+    for p in result.get("peer") or []:
+        lines.append(f"| transformers bf16, batch {p['batch']} | {p['decode_tok_s']:.1f} (decode) | | | | "
+                     f"{p['output_tok_s']:.1f} (incl. prefill) | |")
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v.strip()) if text else ()
+
+
+@click.command(name="engine")
+@click.option("--schemes", default="int4,bf16,fp8", show_default=True, help="Comma list of bf16, fp8, int4.")
+@click.option("--layers", type=int, default=None, help="Decoder layers (default: V2-Lite's 27).")
+@click.option("--input-len", type=int, default=512, show_default=True)
+@click.option("--batch1-output", type=int, default=128, show_default=True)
+@click.option("--concurrency", type=int, default=64, show_default=True)
+@click.option("--concurrent-output", type=int, default=256, show_default=True)
+@click.option("--long-context", type=int, default=0, help="Prompt length of one long request (0: skip).")
+@click.option("--serve", "serve_conc", default="", help="HTTP runs at these concurrencies, e.g. 1,8,32,64.")
+@click.option("--peer-batches", default="1,16", show_default=True, help="transformers generate batches ('' skips).")
+@click.option("--device", default="cuda", show_default=True)
+@click.option("--config-json", default=None, help="JSON object overriding V2-Lite's config (tiny test models).")
+@click.option("--json", "json_path", default=None, help="Write results here (updated as they come).")
+def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_output, long_context, serve_conc,
+           peer_batches, device, config_json, json_path):
+    """Engine decode and throughput on a V2-Lite-shaped random model, BF16/FP8/INT4, beside transformers."""
+    from dsquant.bench.random_model import SCHEMES
+
+    names = tuple(s.strip() for s in schemes.split(",") if s.strip())
+    bad = [s for s in names if s not in SCHEMES]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r}: expected some of {', '.join(SCHEMES)}", param_hint="--schemes")
+    spec = EngineBenchSpec(schemes=names, num_layers=layers, input_len=input_len, batch1_output=batch1_output,
+                           concurrency=concurrency, concurrent_output=concurrent_output, long_context=long_context,
+                           serve_concurrencies=_ints(serve_conc), peer_batches=_ints(peer_batches), device=device,
+                           config=json.loads(config_json) if config_json else {})
+    result = run_engine_bench(spec, json_path)
+    click.echo(format_table(result))

@@ -1,0 +1,82 @@
+"""Profile decode steps of the engine on the V2-Lite-shaped random model (GPU diagnostics).
+
+python scripts/gpu_engine_profile.py OUT_DIR [scheme ...]: per scheme, whether CUDA graphs were
+captured, host time per step split into prepare / execute / rest, and a torch.profiler table of
+a few batch-1 decode steps (CPU and CUDA time per op), written under OUT_DIR.
+"""
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dsquant.bench.engine import EngineBenchSpec, _prompts, build_engine, run_requests
+from dsquant.runtime.engine.sequence import SamplingParams
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+out = Path(sys.argv[1])
+schemes = sys.argv[2:] or ["bf16", "int4"]
+spec = EngineBenchSpec(concurrency=8)
+report = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for scheme in schemes:
+        eng, reader, load_s = build_engine(scheme, spec, Path(tmp), 1024)
+        runner = eng.runner
+        info = {"load_s": load_s, "graphs": runner.graphs is not None,
+                "graph_sizes": getattr(runner.graphs, "sizes", None)}
+        run_requests(eng, _prompts(2, 512, 32000, 5), 8)
+        # host-side split of batch-1 decode steps
+        t_prep, t_exec = [], []
+        orig_prepare, orig_execute = runner.prepare, runner.execute
+
+        def prepare(batch):
+            t = time.perf_counter()
+            r = orig_prepare(batch)
+            t_prep.append(time.perf_counter() - t)
+            return r
+
+        def execute(batch):
+            t = time.perf_counter()
+            r = orig_execute(batch)
+            t_exec.append(time.perf_counter() - t)
+            return r
+
+        runner.prepare, runner.execute = prepare, execute
+        eng.add_request(_prompts(1, 512, 32000, 6)[0], SamplingParams(max_tokens=64, ignore_eos=True))
+        eng.step()  # prefill
+        steps = []
+        while eng.has_unfinished():
+            t = time.perf_counter()
+            eng.step()
+            steps.append(time.perf_counter() - t)
+        runner.prepare, runner.execute = orig_prepare, orig_execute
+        med = lambda v: sorted(v)[len(v) // 2] * 1e3
+        info.update(step_ms=med(steps), prepare_ms=med(t_prep[1:]), execute_ms=med(t_exec[1:]))
+        # graph replay alone
+        if runner.graphs is not None:
+            g = runner.graphs.graphs[1]
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(20):
+                g.replay()
+            torch.cuda.synchronize()
+            info["graph_replay_ms"] = (time.perf_counter() - t) / 20 * 1e3
+        eng.add_request(_prompts(1, 512, 32000, 7)[0], SamplingParams(max_tokens=12, ignore_eos=True))
+        eng.step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            while eng.has_unfinished():
+                eng.step()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+        (out / f"profile_{scheme}.txt").write_text(
+            table + "\n\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+        report[scheme] = info
+        print(scheme, info, flush=True)
+        (out / "profile.json").write_text(json.dumps(report, indent=1))
+        del eng, runner
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
