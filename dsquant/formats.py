@@ -205,12 +205,12 @@ def quantize_fp8_activations(x: torch.Tensor, group: int = FP8_BLOCK):
     return q.view(m, -1)[:, :k].to(torch.float8_e4m3fn).contiguous(), scale
 
 
-def fp8_activation_roundtrip(x: torch.Tensor, group: int = FP8_BLOCK) -> torch.Tensor:
-    """x [..., K] -> the values a W8A8 FP8 GEMM multiplies (fp8 * scale), in x's dtype."""
+def fp8_activation_roundtrip(x: torch.Tensor, group: int = FP8_BLOCK, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] -> the values a W8A8 FP8 GEMM multiplies (fp8 * scale), in `dtype` (default x's)."""
     k = x.shape[-1]
     q, s = quantize_fp8_activations(x.reshape(-1, k), group)
     deq = q.to(torch.float32) * s.repeat_interleave(group, dim=1)[:, :k]  # [M, K]
-    return deq.to(x.dtype).reshape(x.shape)
+    return deq.to(dtype or x.dtype).reshape(x.shape)
 
 
 def dequantize_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,

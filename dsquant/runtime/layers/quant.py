@@ -169,12 +169,18 @@ class FP8BlockMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.weight):
+            if self.dynamic_activations:  # fp32, as the W8A8 kernel's exact fp8 products accumulate
+                layer.cpu_weight = self.dequantized_weight(layer, torch.float32)  # [N, K]
+                return None
             return super().process_weights_after_loading(layer)
         layer.weight_scale_inv.data = layer.weight_scale_inv.data.to(torch.float32).contiguous()
 
     def apply(self, layer, x):
         if not self.use_kernels(x):
-            return super().apply(layer, formats.fp8_activation_roundtrip(x) if self.dynamic_activations else x)
+            if not self.dynamic_activations:
+                return super().apply(layer, x)
+            y = F.linear(formats.fp8_activation_roundtrip(x, dtype=torch.float32), layer.cpu_weight)
+            return (y if layer.bias is None else y + layer.bias).to(x.dtype)
         from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
 
         y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv,
