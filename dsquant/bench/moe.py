@@ -125,7 +125,7 @@ def _routing(t, device, gen):
     import torch
 
     from dsquant.runtime.kernels.fused_moe import with_shared_experts
-    from dsquant.runtime.kernels.moe_routing import RoutingConfig, route
+    from dsquant.models.routing import RoutingConfig, route
 
     x = torch.randn(t, H, generator=gen, device=device).to(torch.bfloat16)
     gate = torch.randn(E, H, generator=gen, device=device) / H ** 0.5

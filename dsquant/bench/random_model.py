@@ -13,6 +13,7 @@ layer, an index), for the commands that read a directory (quantize, validate).
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import zlib
 from pathlib import Path
@@ -120,7 +121,7 @@ class RandomCheckpointReader:
         return self.layout[key][0]
 
     def total_bytes(self) -> int:
-        return sum(_numel(s) * torch.empty(0, dtype=d).element_size() for s, d in self.layout.values())
+        return sum(math.prod(s) * d.itemsize for s, d in self.layout.values())
 
     def get(self, key: str) -> torch.Tensor:
         if key in self._pending:
@@ -163,20 +164,13 @@ class RandomCheckpointReader:
         return {f"{mod}.qweight": qw, f"{mod}.qzeros": qz, f"{mod}.scales": sc}
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def bytes_per_decode_token(reader: RandomCheckpointReader, context: int) -> dict:
     """Bytes one decode token must read: every weight but the embedding table and the routed experts,
     top-k / E of the routed experts, and the KV cache at `context` tokens (bf16 MLA latent or K/V)."""
     cfg = load_config(reader.root)
     routed, other = 0, 0
     for key, (shape, dtype) in reader.layout.items():
-        size = _numel(shape) * torch.empty(0, dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         if ".mlp.experts." in key:
             routed += size
         elif "embed_tokens" not in key:

@@ -9,7 +9,7 @@ from dsquant.runtime.kernels.fused_moe import (fused_moe, pick_configs, split_sh
 from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8, quantize_act_fp8_torch
 from dsquant.runtime.kernels.moe_align import moe_align_block_size
 from dsquant.runtime.kernels.moe_gemm import GemmConfig, moe_gemm
-from dsquant.runtime.kernels.moe_routing import RoutingConfig, route
+from dsquant.models.routing import RoutingConfig, route
 from dsquant.runtime.kernels.reference_moe import moe_experts_reference
 from tests.kernels.moe_cases import FORMATS, make_experts, random_topk, rel_err
 

@@ -5,7 +5,7 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from dsquant.runtime.kernels.moe_routing import RoutingConfig, route
+from dsquant.models.routing import RoutingConfig, route
 
 
 def _sorted(weights, ids):

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8, quant_group_fp8
 from dsquant.runtime.kernels.gemm_configs import DECODE_MAX_M, GemmConfig, fp8_config
-from dsquant.runtime.kernels.splitk import store_tile
+from dsquant.runtime.kernels.splitk import store_tile, swizzled_tile
 
 FP8_BLOCK = 128
 
@@ -39,13 +39,7 @@ def _fp8_block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, coun
     BLOCK_K: tl.constexpr = 128
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    width = SWIZZLE * tiles_m
-    first_n = (pid // width) * SWIZZLE
-    size_n = tl.minimum(tiles_n - first_n, SWIZZLE)
-    pid_n = first_n + (pid % width) % size_n
-    pid_m = (pid % width) // size_n
+    pid_n, pid_m = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, SWIZZLE)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]

@@ -4,33 +4,19 @@ Weights (DeepSeek-V3 native, stacked over E): weight float8_e4m3fn [E, N, K], we
 fp32 [E, ceil(N/128), ceil(K/128)]; W = fp8 * scale_inv per 128x128 block.
 Activations x [M, K] -> (x_fp8 float8_e4m3fn [M, K], x_scale fp32 [M, ceil(K/128)]) with
 x_scale = max(amax of the 128 channels, 1e-10) / 448 and x_fp8 = round_to_e4m3(x / x_scale).
-quantize_act_fp8 uses the Triton kernel on CUDA and the torch path (same formula) elsewhere:
-the Triton interpreter casts to fp8 wrongly (Triton issue 8322).
+quantize_act_fp8 uses fp8_quant.per_token_group_quant_fp8 on CUDA (IEEE division, as torch) and
+formats.quantize_fp8_activations elsewhere: the Triton interpreter casts to fp8 wrongly (Triton
+issue 8322).
 """
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from dsquant.formats import FP8_E4M3_MAX, fp8_block_shape, quantize_fp8_activations
+from dsquant.formats import fp8_block_shape, quantize_fp8_activations
+from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8
 from dsquant.runtime.kernels.moe_gemm import GroupedWeight
 
 ACT_GROUP = 128
-
-
-@triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
-                      FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, GROUP)  # [GROUP]
-    mask = cols < K
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / FP8_MAX
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + g, scale)
 
 
 def quantize_act_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,13 +28,7 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp16) -> (fp8 [M, K], scale fp32 [M, ceil(K/128)])."""
     if not x.is_cuda:
         return quantize_act_fp8_torch(x)
-    m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, triton.cdiv(k, ACT_GROUP), dtype=torch.float32, device=x.device)
-    if m:
-        _act_quant_kernel[(m, s.shape[1])](x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
-                                           FP8_MAX=FP8_E4M3_MAX, GROUP=ACT_GROUP)
-    return q, s
+    return per_token_group_quant_fp8(x, ACT_GROUP)
 
 
 def fp8_experts(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> GroupedWeight:

@@ -1,4 +1,7 @@
-"""Split-K epilogue shared by the W4A16 and FP8 GEMM kernels (a `triton.jit` helper, no launcher).
+"""Tile order and split-K epilogue shared by the W4A16 and FP8 GEMM kernels (`triton.jit` helpers).
+
+`swizzled_tile` maps a program id to its (n-tile, m-tile): SWIZZLE consecutive n-tiles are visited
+for every m-tile before moving on, so their weight columns stay in L2 across the m-tiles.
 
 A tile's accumulator `acc` [BLOCK_N, BLOCK_M] fp32 holds out[m, n] for n = offs_n, m = offs_m
 (the kernels compute the transposed product so the weight tile is the MMA's wide operand).
@@ -12,6 +15,18 @@ argument, so one compiled kernel serves every split factor.
 """
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWIZZLE: tl.constexpr):
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    width = SWIZZLE * tiles_m
+    first_n = (pid // width) * SWIZZLE
+    size_n = tl.minimum(tiles_n - first_n, SWIZZLE)
+    pid_n = first_n + (pid % width) % size_n
+    pid_m = (pid % width) // size_n
+    return pid_n, pid_m
 
 
 @triton.jit

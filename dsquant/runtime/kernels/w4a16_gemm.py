@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from dsquant.runtime.kernels.gemm_configs import GemmConfig, w4a16_config
-from dsquant.runtime.kernels.splitk import store_tile
+from dsquant.runtime.kernels.splitk import store_tile, swizzled_tile
 from dsquant.runtime.kernels.w4a16_repack import W4A16Weights
 
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -59,14 +59,7 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
                        OFFSET: tl.constexpr, SWIZZLE: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    # group SWIZZLE n-tiles together so their weight columns stay in L2 across the m-tiles
-    width = SWIZZLE * tiles_m
-    first_n = (pid // width) * SWIZZLE
-    size_n = tl.minimum(tiles_n - first_n, SWIZZLE)
-    pid_n = first_n + (pid % width) % size_n
-    pid_m = (pid % width) // size_n
+    pid_n, pid_m = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, SWIZZLE)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]

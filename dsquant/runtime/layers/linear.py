@@ -98,8 +98,8 @@ class LinearFactory:
                 targets = group.get("targets") or []
                 hit = any(_matches(prefix, t) for t in targets if t != "Linear")
                 if hit or ("Linear" in targets and prefix != "lm_head"):
-                    acts = None if prefix.endswith("kv_b_proj") else group.get("input_activations")  # see below
-                    return ct_method(group.get("weights") or {}, group.get("format") or self.q.get("format"), acts)
+                    return ct_method(group.get("weights") or {}, group.get("format") or self.q.get("format"),
+                                     group.get("input_activations"))
             return DenseMethod()
         if prefix == "lm_head" or self._not_converted(prefix):
             return DenseMethod()
@@ -108,9 +108,7 @@ class LinearFactory:
             return AWQMethod(group_size=group)
         if qm == "gptq":
             return GPTQMethod(group_size=group)
-        # kv_b_proj is absorbed into MLA's attention (W_UK, W_UV dequantized) on the kernel path, where
-        # its input is never quantized: weight-only on every path so all paths compute one product
-        return FP8BlockMethod(dynamic_activations=not prefix.endswith("kv_b_proj"))
+        return FP8BlockMethod()
 
     def __call__(self, prefix: str, in_features: int, out_features: int, bias: bool) -> QuantLinear:
         method = self.scheme_for(prefix)
@@ -119,6 +117,10 @@ class LinearFactory:
             if marker not in self.reader and f"{prefix}.weight" in self.reader:
                 log.debug("%s: %s not in the checkpoint, loading it dense", prefix, marker)
                 method = DenseMethod()
+        if prefix.endswith("kv_b_proj") and getattr(method, "dynamic_activations", False):
+            # MLA's kernel path absorbs kv_b_proj (W_UK, W_UV dequantized), so its input is never
+            # quantized there: FP8 weight-only on every path, so all paths compute one product
+            method.dynamic_activations = False
         method.kernels = self.kernels
         self.method_counts[method.name] = self.method_counts.get(method.name, 0) + 1
         return QuantLinear(method, prefix, in_features, out_features, bias)

@@ -1,6 +1,7 @@
 """MoE routing: router scores -> top-k expert ids and weights, as DeepSeek V2 and V3 route.
 
-Torch code (a handful of small ops, CUDA-graph capturable), matching transformers 5.17's
+Torch code (a handful of small ops, CUDA-graph capturable), shared by the reference model's
+Router (models/moe.py) and the runtime's fused MoE, matching transformers 5.17's
 DeepseekV2TopkRouter and DeepseekV3TopkRouter:
 - scores: softmax (V2) or sigmoid (V3) of the fp32 router logits [T, E].
 - "greedy": top-k of the scores.
@@ -35,6 +36,12 @@ class RoutingConfig:
     topk_group: int = 1
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+
+    @classmethod
+    def from_model(cls, cfg) -> "RoutingConfig":
+        """From a dsquant.config.ModelConfig."""
+        return cls(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.scoring_func, cfg.topk_method,
+                   cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
     def __post_init__(self):
         if self.scoring not in SCORING:
