@@ -5,6 +5,9 @@ intermediate 1408, bf16 activations, random weights and inputs. For T tokens and
 - dsquant: fused_moe (moe_align + gate/up grouped GEMM with SiLU-and-mul + down grouped GEMM with
   the routing weights + top-k sum), shared experts run as two extra always-selected experts;
   BF16, INT4 (AWQ g128 repacked) and FP8 block (128x128 weights, per-token-group activations).
+  INT4 with at most moe_gemv.MOE_GEMV_MAX_PAIRS pairs (T = 1 here) runs the per-pair GEMVs
+  instead (no alignment); the "config" column says "gemv" then. --sweep int4 also times the GEMV
+  at every GEMV_SWEEP config, whatever the pair count.
 - peer: transformers' experts forward (loop over the experts hit: gather, gate_up linear,
   silu*mul, down linear, weight, index_add) plus the shared MLP, in bf16 on the same bf16
   weights (the quantized formats are quantized from them). The peer's per-expert token indices
@@ -161,6 +164,42 @@ def _sweep_rows(fmt, t, layers, routing, time_graph):
                 click.echo(f"  sweep {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
         rows.append({"format": fmt, "tokens": t, "config": str(cfg), "gate_up_us": times[0], "down_us": times[1]})
         click.echo(f"  sweep {fmt} T={t} {cfg}: gate/up {times[0]:.1f} us, down {times[1]:.1f} us")
+    if fmt == "int4":
+        rows += _sweep_gemv_rows(t, layers, routing, time_graph)
+    return rows
+
+
+GEMV_SWEEP = [(16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (128, 4)]  # (block_n, num_warps)
+
+
+def _sweep_gemv_rows(t, layers, routing, time_graph):
+    """The INT4 per-pair GEMV (moe_gemv.py) at every GEMV_SWEEP config, whatever the pair count."""
+    import torch
+
+    from dsquant.runtime.kernels.moe_gemv import moe_gemv_int4
+
+    rows = []
+    for block_n, warps in GEMV_SWEEP:
+        times = []
+        for gated in (True, False):
+            args = []
+            for w, (x, _, _, (tw8, ids8)) in zip(layers, routing):
+                a = x if gated else torch.randn(ids8.numel(), I, device=x.device, dtype=x.dtype)
+                out = torch.empty(ids8.numel(), I if gated else H, device=x.device, dtype=x.dtype)
+                args.append((a, w.w13 if gated else w.w2, ids8.contiguous(), out, tw8))
+
+            def run(args=args, gated=gated):
+                for a, w, ids8, out, tw8 in args:
+                    moe_gemv_int4(a, w, ids8, out, a_row_div=TOP_K + N_SHARED if gated else 1, gated=gated,
+                                  topk_weights=None if gated else tw8, block_n=block_n, num_warps=warps)
+            try:
+                times.append(time_graph(run) / len(args))
+            except Exception as exc:  # a config that does not compile or fit is reported, not fatal
+                times.append(float("nan"))
+                click.echo(f"  gemv sweep {block_n}/{warps}: {type(exc).__name__}: {str(exc)[:120]}")
+        cfg = f"gemv(block_n={block_n}, num_warps={warps})"
+        rows.append({"format": "int4", "tokens": t, "config": cfg, "gate_up_us": times[0], "down_us": times[1]})
+        click.echo(f"  sweep int4 T={t} {cfg}: gate/up {times[0]:.1f} us, down {times[1]:.1f} us")
     return rows
 
 
@@ -179,6 +218,7 @@ def moe(json_path, tokens, fmts, layers, sweep_fmts, sweep_tokens):
     from dsquant.bench.common import time_graph_and_eager, write_json
     from dsquant.runtime.kernels.fused_moe import fused_moe, pick_configs
     from dsquant.runtime.kernels.moe_align import moe_align_block_size
+    from dsquant.runtime.kernels.moe_gemv import MOE_GEMV_MAX_PAIRS
 
     if not torch.cuda.is_available():
         raise click.ClickException("dsquant bench moe needs a CUDA GPU")
@@ -206,6 +246,8 @@ def moe(json_path, tokens, fmts, layers, sweep_fmts, sweep_tokens):
             outs = fn()
             graph, eager = (v / layers for v in time_graph_and_eager(fn))
             cfg13, _ = pick_configs(t * (TOP_K + N_SHARED), E + N_SHARED, fmt, 128)
+            path = ("gemv" if fmt == "int4" and t * (TOP_K + N_SHARED) <= MOE_GEMV_MAX_PAIRS
+                    else str(cfg13))
             align_us = []
             for method in ("triton", "torch"):
                 align_fn = lambda r=r, bm=cfg13.block_m, m=method: [  # noqa: E731
@@ -219,7 +261,7 @@ def moe(json_path, tokens, fmts, layers, sweep_fmts, sweep_tokens):
             gbs = active / graph / 1e3
             rows.append(Row(fmt, t, graph, eager, p_graph, p_eager, p_graph / graph, p_eager / eager,
                             sum(map(len, hit)) / layers, active / 1e6, gbs, gbs / ROOFLINE_GBS,
-                            active_bf16 / p_graph / 1e3, *align_us, err, str(cfg13)))
+                            active_bf16 / p_graph / 1e3, *align_us, err, path))
             click.echo(f"{fmt:5s} T={t:5d}: graph {graph:8.1f} us (peer {p_graph:8.1f}, x{p_graph / graph:5.2f}) "
                        f"eager {eager:8.1f} us (peer {p_eager:8.1f}, x{p_eager / eager:5.2f}) "
                        f"{gbs:7.0f} GB/s = {gbs / ROOFLINE_GBS:5.1%} of roofline, align {align_us[0]:.1f}/{align_us[1]:.1f} us, "

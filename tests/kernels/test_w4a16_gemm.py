@@ -88,6 +88,9 @@ CPU_CASES = [  # (M, group, config or None for the heuristic)
     (1, 32, _decode_cfg(1, 3)), (3, 64, _decode_cfg(3, 4)), (17, 128, _decode_cfg(17, 2)),
     (64, 32, _decode_cfg(64, 4)), (300, 64, GemmConfig(64, 64, 1, 4, 2)),
     (17, 64, GemmConfig(128, 128, 1, 8, 2, path="dequant")),
+    # GEMV (M <= 4): uneven splits, narrow and wide channel blocks, padded token block
+    (1, 64, GemmConfig(1, 32, 3, 4, 1, path="gemv")), (2, 32, GemmConfig(2, 128, 1, 4, 1, path="gemv")),
+    (3, 128, GemmConfig(4, 64, 2, 2, 1, path="gemv")), (4, 64, GemmConfig(4, 16, 4, 1, 1, path="gemv")),
 ]
 
 
@@ -102,7 +105,7 @@ def test_w4a16_awq_matches_reference(device, m, group, cfg):
     assert int(packed.splitk_counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("m,cfg", [(3, _decode_cfg(3, 2)), (300, None),
+@pytest.mark.parametrize("m,cfg", [(3, _decode_cfg(3, 2)), (300, None), (2, GemmConfig(2, 64, 3, 4, 1, path="gemv")),
                                    (17, GemmConfig(32, 64, 1, 4, 2, path="dequant"))])
 def test_w4a16_gptq_act_order_matches_reference(device, m, cfg):
     packed, dense = _act_order_gptq(136, 320, 64, device, seed=m)
@@ -136,6 +139,10 @@ def test_w4a16_gpu_full_size_bf16(m, group):
         if m <= 64:
             y = w4a16_linear(x, packed, GemmConfig(max(16, 1 << (m - 1).bit_length()), 128, split, 4, 4),
                              out=_poisoned(m, n, torch.bfloat16, "cuda"))
+            _check(y, x, dense, torch.bfloat16)
+        if m <= 4:  # the GEMV with explicit configs
+            cfg = GemmConfig(1 << (m - 1).bit_length(), 32 * split, split, 4, 1, path="gemv")
+            y = w4a16_linear(x, packed, cfg, out=_poisoned(m, n, torch.bfloat16, "cuda"))
             _check(y, x, dense, torch.bfloat16)
     assert int(packed.splitk_counters.abs().sum()) == 0
 

@@ -12,6 +12,8 @@ Shared experts, either way:
   experts (split_shared_experts cuts an MLP of intermediate n*I into n experts of width I, exact
   because SiLU-and-mul is elementwise) and extend the routing with with_shared_experts (weight 1).
 Block sizes are picked by a heuristic from the pairs per expert (never tuned at run time).
+INT4 experts with at most MOE_GEMV_MAX_PAIRS (token, expert) pairs (decode) skip the alignment
+and run moe_gemv's per-pair GEMVs instead of the grouped MMA GEMMs.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8
 from dsquant.runtime.kernels.moe_align import moe_align_block_size
 from dsquant.runtime.kernels.moe_gemm import GemmConfig, GroupedWeight, moe_gemm
+from dsquant.runtime.kernels.moe_gemv import MOE_GEMV_MAX_PAIRS, moe_gemv_int4
 
 
 @dataclass
@@ -117,6 +120,8 @@ def fused_moe(hidden: torch.Tensor, weights: MoeWeights, topk_weights: torch.Ten
                          f"must both be [T={t}, top_k]")
     top_k = topk_ids.shape[1]
     fmt = weights.w13.format
+    if fmt == "int4" and configs is None and 0 < t * top_k <= MOE_GEMV_MAX_PAIRS:
+        return _fused_moe_gemv(hidden, weights, topk_weights, topk_ids, shared_output)
     cfg13, cfg2 = configs or pick_configs(t * top_k, weights.num_experts, fmt, weights.w13.group_size,
                                           weights.w13.n // 2, weights.w2.n)
     align = moe_align_block_size(topk_ids, weights.num_experts, cfg13.block_m)
@@ -130,5 +135,20 @@ def fused_moe(hidden: torch.Tensor, weights: MoeWeights, topk_weights: torch.Ten
     a, a_scale = quantize_act_fp8(act) if fmt == "fp8" else (act, None)
     moe_gemm(a, weights.w2, align, out, cfg2, a_row_div=1, gated=False,
              topk_weights=topk_weights.float(), a_scale=a_scale, fp8_upcast=upcast)
+    result = out.view(t, top_k, h).sum(dim=1)  # [T, H]
+    return result if shared_output is None else result + shared_output
+
+
+def _fused_moe_gemv(hidden, weights: MoeWeights, topk_weights, topk_ids, shared_output):
+    """Decode-sized INT4 MoE: per-pair GEMVs (moe_gemv.py), same outputs as the grouped path."""
+    t, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    inter = weights.w13.n // 2
+    ids = topk_ids.contiguous()
+    act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
+    out = torch.empty(t * top_k, h, dtype=hidden.dtype, device=hidden.device)  # [T*k, H]
+    moe_gemv_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=16, num_warps=2)
+    moe_gemv_int4(act, weights.w2, ids, out, a_row_div=1, gated=False, topk_weights=topk_weights,
+                  block_n=32, num_warps=2)
     result = out.view(t, top_k, h).sum(dim=1)  # [T, H]
     return result if shared_output is None else result + shared_output

@@ -21,10 +21,14 @@ class GemmConfig:
     split_k: int  # programs sharing one output tile along K
     num_warps: int
     num_stages: int
-    path: str = "fused"  # W4A16: "fused" | "dequant" (dequantize + cuBLAS); FP8: "fused" | "weight_only"
+    path: str = "fused"  # W4A16: "gemv" | "fused" | "dequant" (dequantize + cuBLAS); FP8: "fused" | "weight_only"
 
 
 DECODE_MAX_M = 64
+GEMV_MAX_M = 4  # W4A16 decode batches up to this many tokens run the GEMV (w4a16_gemv.py)
+# GEMV launch configs (block_m is the token count rounded up to 1, 2 or 4), tuned on the H200 per
+# (n, k): {(n, k): (block_n, split_k, num_warps)}; other shapes use w4a16_gemv_config's heuristic.
+TUNED_GEMV_SM90: dict = {}
 # Tuned on the H200 (sm_90, 2026-11-29, triton 3.6) with scripts/gemm_sweep.py, CUDA-graph medians
 # in the comments: {(kind, m_bucket, n, k): GemmConfig}; m_bucket(M) is M rounded up to a power of
 # two, clamped to [16, 4096]. The sweep ran out of time on 7168 x 18432 after M = 1 and 64 (w4a16)
@@ -104,7 +108,19 @@ def _lookup(kind: str, m: int, n: int, k: int, device) -> GemmConfig | None:
     return table.get((kind, m_bucket(m), n, k))
 
 
+def w4a16_gemv_config(m: int, n: int, k: int, group_size: int, device=None) -> GemmConfig:
+    """GEMV config for M <= GEMV_MAX_M: 64-channel rows, split-K to >= 2.5 programs per SM."""
+    bm = triton_next_pow2(m)
+    tuned = TUNED_GEMV_SM90.get((n, k)) if _gpu_family(device) == "sm90" else None
+    if tuned is not None:
+        return GemmConfig(bm, tuned[0], tuned[1], tuned[2], 1, path="gemv")
+    split = pick_split_k(-(-n // 64), k // group_size, device_sms(device), min_chunks=2)
+    return GemmConfig(bm, 64, split, 4, 1, path="gemv")
+
+
 def w4a16_config(m: int, n: int, k: int, group_size: int, device=None) -> GemmConfig:
+    if m <= GEMV_MAX_M:
+        return w4a16_gemv_config(m, n, k, group_size, device)
     tuned = _lookup("w4a16", m, n, k, device)
     if tuned is not None:
         return tuned

@@ -12,7 +12,8 @@ bit operation. Zero point and scale are applied once per group and output, outsi
     sum_{k in g} (q - z) s x = s * (dot(OFFSET + q, x) - (OFFSET + z) * sum_{k in g} x)
 with the dot accumulated in fp32, so the per-element dequant cost is a shift, a mask and an OR.
 
-Paths, chosen by M through gemm_configs.w4a16_config: decode (M <= 64) tiles of 16..64 tokens
+Paths, chosen by M through gemm_configs.w4a16_config: M <= 4, the GEMV of w4a16_gemv.py (no
+tensor cores); decode (M <= 64) tiles of 16..64 tokens
 with split-K over groups (splitk.store_tile) to cover every multiprocessor; prefill tiles of
 64..128 tokens; and for large M "dequant": dequantize W to [N, K] once and call cuBLAS.
 """
@@ -24,6 +25,7 @@ import triton.language as tl
 
 from dsquant.runtime.kernels.gemm_configs import GemmConfig, w4a16_config
 from dsquant.runtime.kernels.splitk import store_tile, swizzled_tile
+from dsquant.runtime.kernels.w4a16_gemv import w4a16_gemv
 from dsquant.runtime.kernels.w4a16_repack import W4A16Weights
 
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -168,6 +170,9 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weights, config: GemmConfig | None = N
     out = _output(out, m, n, x.dtype, x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
+    if cfg.path == "gemv":
+        w4a16_gemv(x2, w, out, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages)
+        return out.reshape(*x.shape[:-1], n)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = min(cfg.split_k, k // w.group_size)
     part = torch.empty(split if split > 1 else 1, m if split > 1 else 1, n, dtype=torch.float32,
@@ -181,7 +186,7 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weights, config: GemmConfig | None = N
         x2, w.qweight, w.scales, w.zeros, perm, out, part, counters,
         m, n, k // w.group_size, x2.stride(0), w.qweight.stride(0), w.scales.stride(0),
         w.zeros.stride(0), out.stride(0), split,
-        GROUP=w.group_size, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, 
+        GROUP=w.group_size, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
         HAS_PERM=w.perm is not None, MAGIC=magic, OFFSET=offset, SWIZZLE=8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,104 @@
+"""W4A16 GEMV for decode batches of 1..4 tokens: y = x @ dequant(W)^T without tensor cores.
+
+Layouts (the kernel layout of w4a16_repack.py): x [M, K] bf16/fp16 (unit column stride);
+qweight int32 [N, K/8] packed along K (nibble i of word c holds k = 8c + i); scales [K/G, N];
+zeros uint8 [K/G, N]; perm int32 [K] (optional, GPTQ act-order); y [M, N] in x's dtype.
+
+At M <= 4 the MMA path pads the token side to 16 and spends its time moving unpacked codes
+through shared memory; a GEMV keeps everything in registers. Each program owns BLOCK_N output
+channels and a run of groups (split-K, splitk.store_tile's one-launch epilogue), and per group:
+  - loads the [BLOCK_N, G/8] words (each row's G/8 words are contiguous: 16-byte vector loads),
+  - turns each code into the fp32 value 128 + q with one shift and one AND-OR: fp32 128.0 is
+    0x43000000 and its unit in the last place is 2^-16, so a code OR-ed into bits 16..19 adds
+    exactly q (no integer-to-float conversion),
+  - for each token: d = sum_k (128 + q) x in fp32, then
+        sum_{k in g} (q - z) s x = s * (d - (128 + z) * sum_{k in g} x).
+The weight is read and unpacked once for all BLOCK_M tokens.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsquant.runtime.kernels.gemm_configs import GEMV_MAX_M
+from dsquant.runtime.kernels.splitk import store_tile
+
+
+@triton.jit
+def codes_as_f32(qw, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """int32 [ROWS, COLS/8] -> fp32 [ROWS, COLS] = 128 + q; column 8c + i = nibble i of word c."""
+    MAGIC: tl.constexpr = 0x43000000  # fp32 128.0
+    n0 = ((qw << 16) & 0xF0000) | MAGIC
+    n1 = ((qw << 12) & 0xF0000) | MAGIC
+    n2 = ((qw << 8) & 0xF0000) | MAGIC
+    n3 = ((qw << 4) & 0xF0000) | MAGIC
+    n4 = (qw & 0xF0000) | MAGIC
+    n5 = ((qw >> 4) & 0xF0000) | MAGIC
+    n6 = ((qw >> 8) & 0xF0000) | MAGIC
+    n7 = ((qw >> 12) & 0xF0000) | MAGIC
+    # join adds a minor axis of 2: three levels give index 4*i0 + 2*i1 + i2 = nibble
+    q = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+    return tl.reshape(q, (ROWS, COLS)).to(tl.float32, bitcast=True)  # [ROWS, COLS/8, 2, 2, 2] -> [ROWS, COLS]
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])  # one compile for any M <= BLOCK_M and any split
+def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counters_ptr,
+                       M, N, num_groups, stride_xm, stride_qn, stride_sg, stride_zg, stride_om,
+                       split_k, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                       HAS_PERM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_m = tl.arange(0, BLOCK_M)  # [BM]
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, GROUP // 8)  # [G/8] packed words of one group
+    offs_k = tl.arange(0, GROUP)  # [G]
+
+    per_split = tl.cdiv(num_groups, split_k)
+    g_lo = pid_k * per_split
+    g_hi = tl.minimum(g_lo + per_split, num_groups)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for g in range(g_lo, g_hi):
+        qw = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * (GROUP // 8) + offs_w)[None, :],
+                     mask=n_mask[:, None], other=0)  # [BN, G/8] int32
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
+        z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=0).to(tl.float32) + 128.0
+        k_idx = g * GROUP + offs_k  # [G]
+        if HAS_PERM:
+            k_idx = tl.load(perm_ptr + k_idx)
+        w = codes_as_f32(qw, BLOCK_N, GROUP)  # [BN, G] = 128 + q
+        for m in tl.static_range(BLOCK_M):
+            x = tl.load(x_ptr + m * stride_xm + k_idx, mask=(k_idx >= 0) & (m < M),
+                        other=0.0).to(tl.float32)  # [G]
+            d = tl.sum(w * x[None, :], axis=1)  # [BN]
+            part = s * (d - z * tl.sum(x, axis=0))  # [BN]
+            acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
+    store_tile(acc, out_ptr, part_ptr, counters_ptr, offs_n, offs_m, M, N, stride_om,
+               pid_n, pid_k, split_k)
+
+
+def w4a16_gemv(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, split_k: int,
+               num_warps: int, num_stages: int = 1) -> torch.Tensor:
+    """out [M, N] = x2 [M, K] @ dequant(w)^T for M <= GEMV_MAX_M (w: W4A16Weights; inputs checked
+    by w4a16_gemm.w4a16_linear)."""
+    m, k = x2.shape
+    n = w.out_features
+    if not 1 <= m <= GEMV_MAX_M:
+        raise ValueError(f"w4a16_gemv: M must be 1..{GEMV_MAX_M}, got {m}")
+    num_groups = k // w.group_size
+    tiles = triton.cdiv(n, block_n)
+    split = max(1, min(split_k, num_groups))
+    part = torch.empty(split if split > 1 else 1, m if split > 1 else 1, n, dtype=torch.float32,
+                       device=x2.device)  # [split, M, N] partial sums (a stub when split == 1)
+    counters = w.splitk_counters
+    if counters is None or (split > 1 and counters.numel() < tiles):
+        counters = torch.zeros(max(tiles, 1), dtype=torch.int32, device=x2.device)
+    perm = w.perm if w.perm is not None else w.qweight
+    _w4a16_gemv_kernel[(tiles, split)](
+        x2, w.qweight, w.scales, w.zeros, perm, out, part, counters,
+        m, n, num_groups, x2.stride(0), w.qweight.stride(0), w.scales.stride(0),
+        w.zeros.stride(0), out.stride(0), split,
+        GROUP=w.group_size, BLOCK_N=block_n, BLOCK_M=triton.next_power_of_2(m),
+        HAS_PERM=w.perm is not None, num_warps=num_warps, num_stages=num_stages)
+    return out

@@ -1,0 +1,90 @@
+"""Offline sweep of the decode GEMV launch configs (W4A16, and FP8 when fp8_gemv exists), on the GPU.
+
+For each bench weight shape and M in {1, 2, 4}: times cuBLAS bf16, torch's tinygemm and the
+tiled W4A16 decode kernel as peers, then every GEMV candidate (block_n x warps x split-K), all as
+CUDA-graph replay medians on the same inputs; checks each candidate's output against an fp32
+product with the dequantized weight; writes every timing and the best config per (kind, n, k, m)
+to OUT.json. Usage: python scripts/gemv_sweep.py OUT.json [--quick]
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import triton.testing as tt
+
+from dsquant import formats as F
+from dsquant.bench.gemm import _tinygemm_pack
+from dsquant.runtime.kernels.gemm_configs import GemmConfig, w4a16_config
+from dsquant.runtime.kernels.w4a16_gemm import w4a16_linear
+from dsquant.runtime.kernels.w4a16_repack import dequantize_w4a16, repack_awq
+
+SHAPES = [(7168, 18432), (7168, 4096), (2048, 10944), (2048, 2816)]
+M_VALUES = [1, 2, 4]
+
+
+def time_graph(fn, rep_ms=10) -> float:
+    return tt.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+
+
+def candidates(m: int, quick: bool):
+    bm = 1 << (m - 1).bit_length()
+    blocks = (32, 64, 128) if not quick else (64,)
+    for bn in blocks:
+        for warps in (2, 4, 8):
+            for split in (1, 2, 4, 8, 16):
+                yield GemmConfig(bm, bn, split, warps, 1, path="gemv")
+
+
+def rel_err(y, ref) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def main(out_path: str, quick: bool) -> None:
+    rows, best = [], {}
+    t0 = time.time()
+    for k, n in SHAPES:
+        w = torch.randn(n, k, device="cuda") * 0.02
+        q, s, z = F.quantize_int_groupwise(w, 128)
+        int4 = repack_awq(*F.to_awq_tensors(q, s, z, dtype=torch.bfloat16), 128)
+        dense = dequantize_w4a16(int4, torch.float32)  # [N, K]
+        wb = w.to(torch.bfloat16)
+        tg = _tinygemm_pack(q, s.float(), z, 128)
+        for m in M_VALUES:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ dense.t()
+            peers = {"bf16": lambda: torch.matmul(x, wb.t()),
+                     "tinygemm": lambda: torch.ops.aten._weight_int4pack_mm(x, tg[0], 128, tg[1]),
+                     "w4a16_tiled": lambda: w4a16_linear(x, int4, GemmConfig(16, 64, 8, 4, 4)),
+                     "w4a16_default": lambda: w4a16_linear(x, int4)}
+            for name, fn in peers.items():
+                try:
+                    us = time_graph(fn)
+                except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+                    print(f"  {name} failed: {type(e).__name__}: {str(e)[:100]}")
+                    us = None
+                rows.append(dict(kind="peer", name=name, k=k, n=n, m=m, us=us))
+                print(f"{k}x{n} M={m} {name}: {us}", flush=True)
+            print(f"  default config: {w4a16_config(m, n, k, 128, x.device)}")
+            for cfg in candidates(m, quick):
+                try:
+                    err = rel_err(w4a16_linear(x, int4, cfg), ref)
+                    us = time_graph(lambda: w4a16_linear(x, int4, cfg)) if err < 2e-2 else float("inf")
+                except Exception as e:  # noqa: BLE001 - out of registers etc.: not a candidate
+                    err, us = None, float("inf")
+                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
+                rows.append(dict(kind="w4a16_gemv", k=k, n=n, m=m, cfg=cfg.__dict__, us=us, err=err))
+                key = f"w4a16 {n} {k} {m}"
+                if us < best.get(key, {"us": float("inf")})["us"]:
+                    best[key] = dict(us=us, cfg=cfg.__dict__, err=err)
+            print(f"  best gemv {best.get(f'w4a16 {n} {k} {m}')}  [{time.time() - t0:.0f} s]", flush=True)
+            with open(out_path, "w") as f:  # after every M, so a cut-short sweep still counts
+                json.dump({"rows": rows, "best": best}, f, indent=1)
+        del w, int4, dense, wb, tg
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "gemv_sweep.json", "--quick" in sys.argv)
