@@ -66,3 +66,23 @@ def test_rope_rejects_wrong_rotary_width(device):
     q = torch.randn(2, 2, 32, device=device)
     with pytest.raises(ValueError, match="q must be"):
         apply_rope(torch.zeros(2, dtype=torch.long, device=device), q, q.clone(), cos, sin)
+
+
+@pytest.mark.parametrize("layout,deinterleave", CASES)
+def test_rope_per_token_cos_sin_matches_cache_lookup(layout, deinterleave, device):
+    """positions=None with cos/sin already gathered per token [T, R/2] (the runtime's PagedContext)
+    rotates exactly as the cache lookup by positions does, on strided views (q's rope slice,
+    k_pe inside the latent row) left in place."""
+    cos, sin = _cache(512, 16, device, factor=1.3)
+    positions = torch.randint(0, 512, (7,), device=device)
+    q_full = torch.randn(7, 4, 16 + 16, dtype=torch.float16, device=device)  # [T, H, nope + rope]
+    latent = torch.randn(7, 32 + 16, dtype=torch.float16, device=device)  # [T, R + rope]
+    q_ref, k_ref = q_full[..., 16:].clone(), latent[:, None, 32:].clone()
+    apply_rope(positions, q_ref, k_ref, cos, sin, layout=layout, deinterleave=deinterleave)
+    latent_before = latent.clone()
+    apply_rope(None, q_full[..., 16:], latent[:, None, 32:], cos[positions].contiguous(),
+               sin[positions].contiguous(), layout=layout, deinterleave=deinterleave)
+    assert torch.equal(q_full[..., 16:], q_ref) and torch.equal(latent[:, None, 32:], k_ref)
+    assert torch.equal(latent[:, :32], latent_before[:, :32]), "the latent part must stay untouched"
+    with pytest.raises(ValueError, match="per token"):
+        apply_rope(None, q_full[..., 16:], latent[:, None, 32:], cos, sin, layout=layout)

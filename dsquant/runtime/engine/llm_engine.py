@@ -114,10 +114,11 @@ def build_runner(path: Path, c: EngineConfig, device: torch.device, reader=None,
     model = load_runtime_model(path, Backends(attention=attention, moe=moe), c.dtype, device,
                                verify=c.verify_checksums, prepare_layer=prepare,
                                kernels=use_kernels, reader=reader, parallel=parallel)
-    if use_kernels and device.type == "cuda":
+    if use_kernels:
         from dsquant.runtime.layers.fused import use_fused_ops
 
-        use_fused_ops(model)  # Triton RMSNorm, residual add fused into the post-attention norm
+        # Triton RMSNorm (+ residual add), routing, SiLU-and-mul, MLA rope; CPU: under TRITON_INTERPRET
+        use_fused_ops(model)
     dtype = next(model.parameters()).dtype if c.dtype is None else c.dtype
     max_model_len = c.max_model_len or model.config.max_position_embeddings
     return runner_cls(model, attention, RunnerConfig(

@@ -1,8 +1,11 @@
 """SiLU-and-mul: the SwiGLU activation of a gate/up projection pair.
 
-Layout: x [T, 2I] holds the gate projection in columns [0, I) and the up projection in
-[I, 2I) (the order of a stacked `gate_up_proj`); out [T, I] = silu(gate) * up, computed in fp32
-and rounded once to x's dtype. One program per (row, block of I columns).
+Layouts: either x [T, 2I] holding the gate projection in columns [0, I) and the up projection in
+[I, 2I) (the order of a stacked `gate_up_proj`), or gate [T, I] and up [T, I] as two tensors
+(row strides free, unit column stride); out [T, I] = silu(gate) * up, computed in fp32.
+silu_and_mul rounds once, to x's dtype; silu_mul rounds silu(gate) to the dtype before the
+multiply, as torch's `F.silu(gate) * up` does, so it matches the reference MLP bit for bit up to
+the exp implementation. One program per (row, block of I columns).
 """
 from __future__ import annotations
 
@@ -12,14 +15,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, inter, stride_gate, stride_up, stride_out,
+                         BLOCK: tl.constexpr, ROUND_SILU: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate))
+    if ROUND_SILU:
+        act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(gate, up, out, round_silu: bool) -> torch.Tensor:
+    t, inter = gate.shape
+    if out is None:
+        out = torch.empty(t, inter, dtype=gate.dtype, device=gate.device)
+    elif out.shape != (t, inter) or out.stride(1) != 1:
+        raise ValueError(f"out must be [T={t}, I={inter}] with unit column stride, got {tuple(out.shape)}")
+    if t == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
+        gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, ROUND_SILU=round_silu)
+    return out
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -28,12 +48,18 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         raise ValueError(f"silu_and_mul expects x of shape [T, 2I], got {tuple(x.shape)}")
     if x.stride(1) != 1:
         raise ValueError("silu_and_mul expects x contiguous along its last dimension")
-    t, inter = x.shape[0], x.shape[1] // 2
-    if out is None:
-        out = torch.empty(t, inter, dtype=x.dtype, device=x.device)
-    if t == 0:
-        return out
-    block = min(1024, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
-        x, out, inter, x.stride(0), out.stride(0), BLOCK=block)
-    return out
+    inter = x.shape[1] // 2
+    return _launch(x[:, :inter], x[:, inter:], out, round_silu=False)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate, up [..., I] -> out [..., I] = silu(gate) * up, silu rounded to the dtype (as torch)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate and up must share shape and dtype, got {gate.dtype} {tuple(gate.shape)} "
+                         f"and {up.dtype} {tuple(up.shape)}")
+    if gate.dim() == 0 or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError("silu_mul expects gate and up contiguous along their last dimension")
+    inter = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, inter), up.reshape(-1, inter)  # [T, I]
+    out2 = None if out is None else out.view(-1, inter)
+    return _launch(g2, u2, out2, round_silu=True).view(gate.shape)

@@ -60,7 +60,9 @@ class TritonPagedAttention(PagedAttentionBase):
         w_uk, w_uv = self._absorbed(module, q_nope.dtype)
         # q_nope [T, H, nope] -> absorbed [T, H, R]
         q_abs = torch.einsum("thn,hnr->thr", q_nope[0], w_uk)
-        q_pe = q_pe[0].contiguous()  # [T, H, rope]
+        q_pe = q_pe[0]  # [T, H, rope], a view of q (the kernel takes its strides)
+        if q_pe.stride(-1) != 1:
+            q_pe = q_pe.contiguous()
         if ctx.is_decode:
             block_tables, seq_lens = ctx.block_tables, ctx.seq_lens
         else:

@@ -1,25 +1,41 @@
-"""Kernel-path versions of the model's small ops: each decode step launches ~6 elementwise kernels
-per torch RMSNorm, which on a 27-layer MoE model cost more GPU time than the attention.
+"""Kernel-path versions of the model's small ops. Batch-1 decode is launch-bound (each small kernel
+costs 3-5 us in a CUDA graph), so the many elementwise torch kernels per layer are replaced by one
+Triton launch each; scripts/count_decode_ops.py counts them per layer.
 
-`use_fused_ops(model)` (the engine calls it on CUDA when kernels are on) re-classes, in place:
+`use_fused_ops(model)` (the engine calls it when kernels are on) re-classes, in place:
   RMSNorm       -> TritonRMSNorm: one runtime/kernels/rmsnorm.py launch (x [..., H], weight [H])
   DecoderLayer  -> FusedAddNormDecoderLayer: the residual add after attention fused into
                    post_attention_layernorm (fused_add_rms_norm), one launch for add + norm.
-Both keep the reference numerics (the sum rounded to the activation dtype, the normalised value
-rounded before the weight multiply, as transformers does) and fall back to the torch forward on
-CPU tensors. Weights and module names are untouched.
+  Router        -> TritonRouter: fp32 logits from one GEMM (CUDA bf16/fp16: cuBLAS with fp32
+                   output, no casts; else an fp32 copy of the weight made once), then softmax /
+                   sigmoid, grouped top-k, normalisation and scaling in one moe_route.py launch.
+  GatedMLP      -> TritonGatedMLP: silu(gate) * up in one activation.silu_mul launch.
+  MLAttention   -> TritonMLAttention: q_pe and k_pe rotated in place by one rope.py launch.
+All keep the reference numerics up to fp32 rounding (sums rounded to the activation dtype, the
+normalised value and silu(gate) rounded as transformers rounds them) and fall back to the torch
+forward on CPU tensors unless TRITON_INTERPRET=1 (then the kernels run in the interpreter, as the
+engine's CPU kernel-path tests want). Weights and module names are untouched.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from dsquant.models.attention import MLAttention
 from dsquant.models.causal_lm import DecoderLayer
-from dsquant.models.layers import RMSNorm
+from dsquant.models.layers import GatedMLP, RMSNorm
+from dsquant.models.moe import Router
+
+
+def runs_triton(t: torch.Tensor) -> bool:
+    """Whether Triton kernels can take `t`: a CUDA tensor, or any tensor under the interpreter."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class TritonRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cuda:
+        if not runs_triton(x):
             return super().forward(x)
         from dsquant.runtime.kernels.rmsnorm import rms_norm
 
@@ -28,7 +44,7 @@ class TritonRMSNorm(RMSNorm):
 
 class FusedAddNormDecoderLayer(DecoderLayer):
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
-        if not hidden.is_cuda:
+        if not runs_triton(hidden):
             return super().forward(hidden, ctx)
         from dsquant.runtime.kernels.rmsnorm import fused_add_rms_norm
 
@@ -39,14 +55,75 @@ class FusedAddNormDecoderLayer(DecoderLayer):
         return hidden + self.mlp(normed)
 
 
+class TritonRouter(Router):
+    """weight [E, H]; weight_fp32: None, or its fp32 copy when logits cannot come from cuBLAS."""
+
+    weight_fp32: torch.Tensor | None = None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> fp32 [T, E] in one GEMM (the reference: linear(x.float(), weight.float()))."""
+        w = self.weight
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)  # bf16 products are exact in fp32
+        if w.dtype != torch.float32 and self.weight_fp32 is None:
+            self.weight_fp32 = w.float()  # once
+        return torch.nn.functional.linear(x.float(), self.weight_fp32 if w.dtype != torch.float32 else w)
+
+    def forward(self, x: torch.Tensor):
+        if not runs_triton(x):
+            return super().forward(x)
+        from dsquant.runtime.kernels.moe_route import moe_route
+
+        c = self.routing
+        # x [T, hidden] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k])
+        return moe_route(self.logits(x), c.top_k, c.scoring, c.topk_method, c.n_group, c.topk_group,
+                         c.norm_topk_prob, c.routed_scaling_factor, self.e_score_correction_bias)
+
+
+class TritonGatedMLP(GatedMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not runs_triton(x):
+            return super().forward(x)
+        from dsquant.runtime.kernels.activation import silu_mul
+
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # [..., I] -> [..., H]
+
+
+class TritonMLAttention(MLAttention):
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        if not runs_triton(x):
+            return super().forward(x, ctx)
+        from dsquant.runtime.kernels.rope import apply_rope
+
+        b, t, _ = x.shape  # x [B, T, hidden]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, t, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_proj_with_mqa(x)  # [B, T, R + rope]
+        kv_latent, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_latent = self.kv_a_layernorm(kv_latent)  # [B, T, R]
+        half = self.qk_rope_head_dim // 2
+        # in place on the views: q_pe [B*T, H, rope], k_pe [B*T, 1, rope]; cos/sin [B*T, rope/2]
+        apply_rope(None, q_pe.view(b * t, self.num_heads, -1), k_pe.view(b * t, 1, -1),
+                   ctx.cos.view(b * t, half), ctx.sin.view(b * t, half),
+                   layout="interleaved" if self.rope_interleave else "neox")
+        out = self.backend.mla(self, q_nope, q_pe, kv_latent, k_pe, ctx)  # [B, T, H, v]
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+FUSED = {RMSNorm: TritonRMSNorm, DecoderLayer: FusedAddNormDecoderLayer, Router: TritonRouter,
+         GatedMLP: TritonGatedMLP, MLAttention: TritonMLAttention}
+
+
 def use_fused_ops(model: torch.nn.Module) -> int:
-    """Re-class the model's RMSNorm and DecoderLayer modules; returns how many were changed."""
+    """Re-class the model's modules listed in FUSED; returns how many were changed."""
     changed = 0
     for module in model.modules():
-        if type(module) is RMSNorm:
-            module.__class__ = TritonRMSNorm
-            changed += 1
-        elif type(module) is DecoderLayer:
-            module.__class__ = FusedAddNormDecoderLayer
+        fused = FUSED.get(type(module))
+        if fused is not None:
+            module.__class__ = fused
             changed += 1
     return changed
