@@ -7,7 +7,10 @@ For each weight shape K x N and token count M, on one random bf16 weight and one
   scaled_mm   torch._scaled_mm, blockwise scales (x 1x128, W 128x128), on x already quantized
               (the quantizer is not in its time); "refused" where cuBLAS rejects the shape
   w4a16       dsquant w4a16_linear (AWQ codes repacked), the path gemm_configs picks for M
-  fp8         dsquant fp8_block_linear from bf16 x, activation quantization included
+  fp8         dsquant fp8_block_linear from bf16 x, activation quantization included, on the path
+              it picks for M (gemm_configs.fp8_config: GEMV for M <= 4, cuBLAS blockwise
+              _scaled_mm for prefill on sm_90, else the Triton tiles); the row's note names it
+  fp8_triton  the Triton tiled FP8 kernel alone (path forced to "fused"), for comparison
 Times are medians as CUDA-graph replays and as eager launches (common.time_graph_and_eager);
 TFLOP/s and weight GB/s use the graph time; speed-ups are over bf16 in the same run. Each
 method's output is checked against an fp32 product with its own dequantized weight.
@@ -22,7 +25,7 @@ from dsquant.bench.common import environment, time_graph_and_eager, write_json
 
 SHAPES = "2048x10944,2048x2816,7168x4096,7168x18432"
 M_VALUES = "1,4,16,64,256,1024,4096"
-METHODS = ("bf16", "tinygemm", "scaled_mm", "w4a16", "fp8")
+METHODS = ("bf16", "tinygemm", "scaled_mm", "w4a16", "fp8", "fp8_triton")
 
 
 @dataclass
@@ -87,8 +90,22 @@ def load_configs(path):
     return {tuple(b["key"]): GemmConfig(**b["cfg"]) for b in best}
 
 
+def _fp8_configs(m, n, k, cfg_file, device):
+    """(config of the default fp8 path, config of the forced Triton tiles); sweep-file configs are
+    Triton tile configs, so they only replace a tiled choice."""
+    from dataclasses import replace
+
+    from dsquant.runtime.kernels.gemm_configs import fp8_config, fp8_tiled_config
+
+    default = fp8_config(m, n, k, device)
+    tiled = cfg_file or fp8_tiled_config(m, n, k, device)
+    if tiled.path in ("gemv", "cublas"):
+        tiled = replace(tiled, path="fused")
+    return (default if default.path in ("gemv", "cublas") else tiled), tiled
+
+
 def _methods(wts, x, group, configs=None):
-    """name -> (fn, weight bytes, dense fp32 weight the method computes with)."""
+    """name -> (fn, weight bytes, dense fp32 weight the method computes with, note)."""
     import torch
 
     from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
@@ -101,7 +118,8 @@ def _methods(wts, x, group, configs=None):
     m, k = x.shape
     n = w.shape[0]
     cfg_w4 = (configs or {}).get(("w4a16", m_bucket(m), n, k))  # None: gemm_configs' own choice
-    cfg_f8 = (configs or {}).get(("fp8", m_bucket(m), n, k))
+    cfg_f8, cfg_f8_tiled = _fp8_configs(m, n, k, (configs or {}).get(("fp8", m_bucket(m), n, k)),
+                                        x.device)
     xq, xs = per_token_group_quant_fp8(x, column_major_scales=True)
     counters = torch.zeros(8192, dtype=torch.int32, device="cuda")
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
@@ -111,26 +129,30 @@ def _methods(wts, x, group, configs=None):
             raise RuntimeError(f"packing failed: {tg_packed}")
         return torch.ops.aten._weight_int4pack_mm(x, tg_packed, group, tg_qparams)
     return {
-        "bf16": (lambda: torch.matmul(x, w.t()), nbytes(w), w.float()),
-        "tinygemm": (tinygemm, nbytes(tg_packed, tg_qparams), wts["w_int4"]),
+        "bf16": (lambda: torch.matmul(x, w.t()), nbytes(w), w.float(), ""),
+        "tinygemm": (tinygemm, nbytes(tg_packed, tg_qparams), wts["w_int4"], ""),
         "scaled_mm": (lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(),
                                                out_dtype=torch.bfloat16),
-                      nbytes(wq, ws), wts["w_fp8"]),
-        "w4a16": (lambda: w4a16_linear(x, int4, cfg_w4), int4.nbytes(), wts["w_int4"]),
-        "fp8": (lambda: fp8_block_linear(x, wq, ws, config=cfg_f8, splitk_counters=counters), nbytes(wq, ws),
-                wts["w_fp8"]),
+                      nbytes(wq, ws), wts["w_fp8"], ""),
+        "w4a16": (lambda: w4a16_linear(x, int4, cfg_w4), int4.nbytes(), wts["w_int4"], ""),
+        "fp8": (lambda: fp8_block_linear(x, wq, ws, config=cfg_f8, splitk_counters=counters),
+                nbytes(wq, ws), wts["w_fp8"], f"path {cfg_f8.path}"),
+        "fp8_triton": (lambda: fp8_block_linear(x, wq, ws, config=cfg_f8_tiled, splitk_counters=counters),
+                       nbytes(wq, ws), wts["w_fp8"], f"path {cfg_f8_tiled.path}"),
     }
 
 
 def run_shape(k, n, m_values, group, rep_ms, seed=0, configs=None) -> list[GemmRow]:
     import torch
 
+    from dsquant.runtime.kernels.fp8_gemm import cublas_refused
+
     wts = _weights(k, n, group, seed)
     rows = []
     for m in m_values:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         base = {}
-        for name, (fn, wbytes, dense) in _methods(wts, x, group, configs).items():
+        for name, (fn, wbytes, dense, note) in _methods(wts, x, group, configs).items():
             try:
                 y = fn()
             except RuntimeError as e:  # cuBLAS's blockwise path refuses some shapes
@@ -142,8 +164,10 @@ def run_shape(k, n, m_values, group, rep_ms, seed=0, configs=None) -> list[GemmR
             g_us, e_us = time_graph_and_eager(fn, warmup_ms=10, rep_ms=rep_ms)
             if name == "bf16":
                 base = {"g": g_us, "e": e_us}
+            if note == "path cublas" and cublas_refused(n, k, torch.bfloat16, x.device):
+                note = "path cublas, refused by cuBLAS: Triton tiles ran"
             rows.append(GemmRow(k, n, m, name, g_us, e_us, 2 * m * n * k / g_us / 1e6,
-                                wbytes / g_us / 1e3, base["g"] / g_us, base["e"] / e_us, rel))
+                                wbytes / g_us / 1e3, base["g"] / g_us, base["e"] / e_us, rel, note))
         del x
     del wts
     torch.cuda.empty_cache()
@@ -165,6 +189,10 @@ def check_targets(rows) -> list[tuple[str, str, bool]]:
         ta, tb = _time(rows, k, n, m, a), _time(rows, k, n, m, b)
         return None if ta is None or tb is None else tb / ta
 
+    def path(k, n, m):  # which fp8 path ran, for the target's name
+        note = next((r.note for r in rows if (r.k, r.n, r.m, r.method) == (k, n, m, "fp8")), "")
+        return f" [{note}]" if note else ""
+
     def add(name, val, ok):
         out.append((name, "n/a" if val is None else f"{val:.2f}", bool(val is not None and ok(val))))
 
@@ -175,7 +203,8 @@ def check_targets(rows) -> list[tuple[str, str, bool]]:
                 lambda v: v >= 1.5)
         add(f"w4a16 vs bf16 {k}x{n} M=64 >= 1.5x", ratio(k, n, 64, "w4a16", "bf16"), lambda v: v >= 1.5)
         for m in (1, 4, 16, 64):
-            add(f"fp8 vs bf16 {k}x{n} M={m} >= 1.6x", ratio(k, n, m, "fp8", "bf16"), lambda v: v >= 1.6)
+            add(f"fp8 vs bf16 {k}x{n} M={m} >= 1.6x{path(k, n, m)}", ratio(k, n, m, "fp8", "bf16"),
+                lambda v: v >= 1.6)
     for k, n in ((2048, 10944), (2048, 2816)):
         for m in (1, 4, 16):
             add(f"w4a16 vs tinygemm {k}x{n} M={m} >= 1.0x", ratio(k, n, m, "w4a16", "tinygemm"),
@@ -185,9 +214,12 @@ def check_targets(rows) -> list[tuple[str, str, bool]]:
         for m in (1024, 4096):
             add(f"w4a16 time / bf16 time {k}x{n} M={m} <= 1.25", None if ratio(k, n, m, "w4a16", "bf16") is None
                 else 1 / ratio(k, n, m, "w4a16", "bf16"), lambda v: v <= 1.25)
-            add(f"fp8 vs scaled_mm {k}x{n} M={m} >= 0.9x", ratio(k, n, m, "fp8", "scaled_mm"), lambda v: v >= 0.9)
+            add(f"fp8 vs scaled_mm {k}x{n} M={m} >= 0.9x{path(k, n, m)}", ratio(k, n, m, "fp8", "scaled_mm"),
+                lambda v: v >= 0.9)
     add("w4a16 7168x18432 M=1 <= 22 us", _time(rows, 7168, 18432, 1, "w4a16"), lambda v: v <= 22)
     add("fp8 M=1 runs (7168x18432, us)", _time(rows, 7168, 18432, 1, "fp8"), lambda v: v > 0)
+    add("fp8 7168x18432 M=1 <= 44 us" + path(7168, 18432, 1), _time(rows, 7168, 18432, 1, "fp8"),
+        lambda v: v <= 44)
     return out
 
 
@@ -245,7 +277,7 @@ def gemm(json_path, shapes, m_list, group_size, rep_ms, configs_path) -> None:
         rows += run_shape(k, n, ms, int(group_size), rep_ms, configs=configs)
         for r in rows[-len(ms) * len(METHODS):]:
             g = "refused" if r.graph_us is None else f"{r.graph_us:9.1f} us  x{r.speedup_graph:5.2f}"
-            click.echo(f"{k:5d}x{n:<6d} M={r.m:<5d} {r.method:10s} {g}  err {r.rel_err}")
+            click.echo(f"{k:5d}x{n:<6d} M={r.m:<5d} {r.method:10s} {g}  err {r.rel_err}  {r.note}")
     env = environment()
     click.echo(f"\n{env['gpu']}  torch {env['torch']}  triton {env['triton']}  {env['date']}\n")
     click.echo(markdown_table(rows) + "\n\n" + rates_table(rows))

@@ -17,6 +17,10 @@ A_MODE selects what feeds the MMA:
   2  weight-only: x stays bf16/fp16, the weight block is converted in registers and the MMA is
      bf16/fp16 (GPUs without FP8 tensor cores, sm < 89)
 Split-K over the 128-blocks (splitk.store_tile) spreads decode sizes over every multiprocessor.
+
+fp8_block_linear dispatches on the token count (gemm_configs.fp8_config): M <= 4 runs the GEMV of
+fp8_gemv.py, prefill on sm_90 (M >= 128, N and K multiples of 128) runs cuBLASLt's blockwise
+`torch._scaled_mm` on x quantized by fp8_quant.py, everything else this kernel.
 """
 from __future__ import annotations
 
@@ -25,10 +29,13 @@ import triton
 import triton.language as tl
 
 from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8, quant_group_fp8
-from dsquant.runtime.kernels.gemm_configs import DECODE_MAX_M, GemmConfig, fp8_config
+from dsquant.runtime.kernels.fp8_gemv import fp8_gemv
+from dsquant.runtime.kernels.gemm_configs import (DECODE_MAX_M, FP8_GEMV_MAX_M, GemmConfig,
+                                                  fp8_config, fp8_tiled_config)
 from dsquant.runtime.kernels.splitk import store_tile, swizzled_tile
 
 FP8_BLOCK = 128
+CUBLAS_ROWS = 16  # token counts padded to this for cuBLAS (the bench saw M = 1 refused, 4 taken)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])  # one compile for any M and split
@@ -95,6 +102,46 @@ def _check(weight, weight_scale_inv, k):
         raise ValueError("fp8_block_linear: weight must be contiguous along K")
 
 
+# (N, K, out dtype, device) of weights cuBLAS refused (a property of the library and the shape,
+# process-wide): later calls go straight to the Triton kernel instead of raising again.
+_CUBLAS_REFUSED: set = set()
+
+
+def cublas_refused(n: int, k: int, out_dtype: torch.dtype, device) -> bool:
+    """True once torch._scaled_mm refused an [N, K] weight for this output dtype and device."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return (n, k, out_dtype, d) in _CUBLAS_REFUSED
+
+
+def _cublas_block_linear(x2, x_scale, weight, weight_scale_inv, out_dtype):
+    """y [M, N] through cuBLASLt's blockwise FP8 GEMM (1 x 128 x scales, 128 x 128 weight
+    scales), or None where it cannot run (then remembered per shape, without a host sync).
+
+    The activations are quantized with the scales column-major ([M, K/128], stride (1, M')) and
+    the token count padded to CUBLAS_ROWS with zero rows, which only add discarded output rows.
+    """
+    key = (weight.shape[0], weight.shape[1], out_dtype, x2.device)
+    if key in _CUBLAS_REFUSED:
+        return None
+    m = x2.shape[0]
+    if x2.dtype == torch.float8_e4m3fn:
+        if m % CUBLAS_ROWS:
+            return None  # padding would copy x: the Triton kernel takes it as it is
+        xq, xs = x2, (x_scale if x_scale.stride(0) == 1 else x_scale.t().contiguous().t())
+    else:
+        xq, xs = per_token_group_quant_fp8(x2, FP8_BLOCK, column_major_scales=True,
+                                           rows_multiple=CUBLAS_ROWS)  # [M', K], [M', K/128]
+    try:
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale_inv.contiguous().t(),
+                             out_dtype=out_dtype)  # [M', N]
+    except (RuntimeError, ValueError):  # shape, dtype or library version cuBLAS does not take
+        _CUBLAS_REFUSED.add(key)
+        return None
+    return y[:m]
+
+
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, *,
                      x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                      weight_only: bool | None = None, fuse_quant: bool | None = None,
@@ -104,11 +151,13 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     """y [..., N] = x [..., K] @ (weight * weight_scale_inv)^T.
 
     x is bf16/fp16 (quantized here, per token and 128 channels), or float8_e4m3fn with its
-    `x_scale` [M, ceil(K/128)]. `weight_only` (default: the GPU has no FP8 tensor cores) keeps x
-    in 16 bits (a config's "weight_only" path is a tiling hint, never a change of numerics: its
-tiles run with in-GEMM activation quant unless weight_only=True); `fuse_quant` (default: M <= 64) quantizes inside the GEMM. `splitk_counters`
-    (int32, zero) may be passed to reuse one buffer across calls; it is left zero. `out` [M, N]
-    receives y when given.
+    `x_scale` [M, ceil(K/128)]. The path is the config's (gemm_configs.fp8_config by default):
+    "gemv" (M <= 4, fp8_gemv.py), "cublas" (blockwise torch._scaled_mm, the Triton kernel where
+    cuBLAS refuses) or the Triton tiled kernel ("fused"; "weight_only" is only a tiling hint).
+    `weight_only` (default: the GPU has no FP8 tensor cores) keeps x in 16 bits on the tiled
+    kernel whatever the config's path. `fuse_quant` (default: yes for M <= 64) quantizes x inside
+    the Triton kernels. `splitk_counters` (int32, zero) may be passed to reuse one buffer across
+    calls; it is left zero. `out` [M, N] receives y when given.
     """
     k = x.shape[-1]
     _check(weight, weight_scale_inv, k)
@@ -121,16 +170,35 @@ tiles run with in-GEMM activation quant unless weight_only=True); `fuse_quant` (
     if is_fp8 and (x_scale is None or tuple(x_scale.shape) != (m, triton.cdiv(k, FP8_BLOCK))):
         raise ValueError(f"fp8_block_linear: an fp8 x needs x_scale [{m}, {triton.cdiv(k, FP8_BLOCK)}]")
     out_dtype = out_dtype or (torch.bfloat16 if is_fp8 else x.dtype)
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != out_dtype or out.stride(-1) != 1:
+    if out is not None and (tuple(out.shape) != (m, n) or out.dtype != out_dtype
+                            or out.stride(-1) != 1):
         raise ValueError(f"fp8_block_linear: out must be {out_dtype} [{m}, {n}], got {out.dtype} "
                          f"{tuple(out.shape)}")
     if m == 0:
+        out = out if out is not None else torch.empty(m, n, dtype=out_dtype, device=x.device)
         return out.reshape(*x.shape[:-1], n)
     cfg = config or fp8_config(m, n, k, x.device)
     if weight_only is None:  # W8A8 wherever the GPU has FP8 MMA (the checkpoint's dynamic scheme)
         weight_only = not has_fp8_mma(x.device)
+    if weight_only and cfg.path in ("gemv", "cublas"):
+        cfg = fp8_tiled_config(m, n, k, x.device)
+    if cfg.path == "cublas":
+        y = _cublas_block_linear(x2, x_scale, weight, weight_scale_inv, out_dtype)
+        if y is not None:
+            out = y if out is None else out.copy_(y)
+            return out.reshape(*x.shape[:-1], n)
+        cfg = fp8_tiled_config(m, n, k, x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if cfg.path == "gemv":
+        if m > FP8_GEMV_MAX_M:
+            raise ValueError(f"fp8_block_linear: config path 'gemv' serves M <= {FP8_GEMV_MAX_M} "
+                             f"tokens, got M = {m}")
+        a, a_s = (x2, x_scale) if is_fp8 or fuse_quant is not False else \
+            per_token_group_quant_fp8(x2, FP8_BLOCK)
+        fp8_gemv(a, a_s, weight, weight_scale_inv, out, cfg.block_n, cfg.split_k, cfg.num_warps,
+                 cfg.num_stages, splitk_counters)
+        return out.reshape(*x.shape[:-1], n)
     if is_fp8:
         a, a_s, mode = x2, x_scale, 0
     elif weight_only:
@@ -150,7 +218,7 @@ tiles run with in-GEMM activation quant unless weight_only=True); `fuse_quant` (
     _fp8_block_gemm_kernel[(tiles, split)](
         a, a_s, weight, weight_scale_inv, out, part, counters, m, n, k,
         a.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), weight_scale_inv.stride(0),
-        out.stride(0), split, A_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, 
+        out.stride(0), split, A_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
         SWIZZLE=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*x.shape[:-1], n)
 

@@ -40,23 +40,34 @@ def _per_token_group_quant_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm,
     tl.store(s_ptr + m * stride_sm + offs_g * stride_sg, scale, mask=offs_g < num_groups)
 
 
-def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, column_major_scales: bool = False):
-    """x [..., K] -> (x_fp8 [M, K] float8_e4m3fn, x_scale fp32 [M, ceil(K/group)]), M = prod(...)."""
+def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, column_major_scales: bool = False,
+                              rows_multiple: int = 1):
+    """x [..., K] -> (x_fp8 [Mp, K] float8_e4m3fn, x_scale fp32 [Mp, ceil(K/group)]), M = prod(...).
+
+    Mp = M rounded up to `rows_multiple` (what cuBLAS's blockwise scales may ask for); the
+    Mp - M padding rows are zero codes with zero scales.
+    """
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"per_token_group_quant_fp8: x must be bf16/fp16/fp32, got {x.dtype}")
     if group & (group - 1) or group < 16:
         raise ValueError(f"per_token_group_quant_fp8: group must be a power of two >= 16, got {group}")
+    if rows_multiple < 1:
+        raise ValueError(f"per_token_group_quant_fp8: rows_multiple must be >= 1, got {rows_multiple}")
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     ng = triton.cdiv(k, group)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    mp = -(-m // rows_multiple) * rows_multiple
+    q = torch.empty(mp, k, dtype=torch.float8_e4m3fn, device=x.device)
     if column_major_scales:
-        s = torch.empty(ng, m, dtype=torch.float32, device=x.device).t()  # [M, ng], stride (1, M)
+        s = torch.empty(ng, mp, dtype=torch.float32, device=x.device).t()  # [Mp, ng], stride (1, Mp)
     else:
-        s = torch.empty(m, ng, dtype=torch.float32, device=x.device)
+        s = torch.empty(mp, ng, dtype=torch.float32, device=x.device)
+    if mp > m:
+        q[m:].view(torch.uint8).zero_()
+        s[m:].zero_()
     if m == 0:
         return q, s
     gpp = min(triton.next_power_of_2(ng), max(1, 1024 // group))

@@ -133,7 +133,8 @@ def w4a16_config(m: int, n: int, k: int, group_size: int, device=None) -> GemmCo
     return GemmConfig(64, 128, 1, 8, 3)
 
 
-def fp8_config(m: int, n: int, k: int, device=None) -> GemmConfig:
+def fp8_tiled_config(m: int, n: int, k: int, device=None) -> GemmConfig:
+    """Config of the Triton tiled FP8 GEMM (fp8_gemm.py) alone: the table, else the heuristic."""
     tuned = _lookup("fp8", m, n, k, device)
     if tuned is not None:
         return tuned
@@ -143,3 +144,53 @@ def fp8_config(m: int, n: int, k: int, device=None) -> GemmConfig:
     if m >= 1024:
         return GemmConfig(64, 256, 1, 8, 3)
     return GemmConfig(64, 128, 1, 4, 4)
+
+
+# FP8 paths (GemmConfig.path), chosen by fp8_config from M and the weight shape:
+#   "gemv"    fp8_gemv.py, M <= FP8_GEMV_MAX_M: no MMA, W8A8 in fp32 registers, split-K
+#   "cublas"  torch._scaled_mm blockwise (cuBLASLt, sm_90 only) for M >= FP8_CUBLAS_MIN_M on
+#             shapes cuBLAS takes (N and K multiples of 128); Triton tiled kernel if it refuses
+#   "fused" / "weight_only"  the Triton tiled kernel (fp8_gemm.py); "weight_only" is a tiling
+#             hint of the sweep, never a change of numerics
+FP8_GEMV_MAX_M = 4
+FP8_CUBLAS_MIN_M = 128
+# GEMV configs tuned on the H200 per (n, k): {(n, k): (block_n, split_k, num_warps)}; others use
+# fp8_gemv_config's heuristic. Fill from a GPU sweep over fp8_gemv_candidates.
+TUNED_FP8_GEMV_SM90: dict = {}
+
+
+def fp8_gemv_config(m: int, n: int, k: int, device=None) -> GemmConfig:
+    """GEMV config for M <= FP8_GEMV_MAX_M: 64-channel rows, split-K to >= 2.5 programs per SM.
+
+    block_m is M rounded up to 1, 2 or 4. On sm_90 (ptxas, Triton 3.8) 64 x 128 blocks with 4
+    warps take about 180-200 registers (two programs per SM, two 8 KB blocks in flight each).
+    """
+    bm = triton_next_pow2(m)
+    tuned = TUNED_FP8_GEMV_SM90.get((n, k)) if _gpu_family(device) == "sm90" else None
+    if tuned is not None:
+        return GemmConfig(bm, tuned[0], tuned[1], tuned[2], 1, path="gemv")
+    split = pick_split_k(-(-n // 64), -(-k // 128), device_sms(device), min_chunks=2)
+    return GemmConfig(bm, 64, split, 4, 1, path="gemv")
+
+
+def fp8_gemv_candidates(m: int) -> list[GemmConfig]:
+    """GEMV configs worth sweeping on a GPU (block_n x warps x split-K) for M <= 4 tokens."""
+    bm = triton_next_pow2(m)
+    return [GemmConfig(bm, bn, split, warps, 1, path="gemv")
+            for bn in (32, 64, 128) for warps in (2, 4, 8) for split in (1, 2, 4, 8, 16)
+            if bn * 128 // (32 * warps) <= 64]  # <= 64 weight values per thread: no spills (ptxas)
+
+
+def fp8_cublas_eligible(m: int, n: int, k: int, device=None) -> bool:
+    """Blockwise torch._scaled_mm serves this call: sm_90, M >= FP8_CUBLAS_MIN_M, N, K % 128 == 0."""
+    return (m >= FP8_CUBLAS_MIN_M and n % 128 == 0 and k % 128 == 0
+            and _gpu_family(device) == "sm90")
+
+
+def fp8_config(m: int, n: int, k: int, device=None) -> GemmConfig:
+    """The FP8 path and launch config for M tokens: GEMV, cuBLAS blockwise, or the Triton tiles."""
+    if m <= FP8_GEMV_MAX_M:
+        return fp8_gemv_config(m, n, k, device)
+    if fp8_cublas_eligible(m, n, k, device):
+        return GemmConfig(128, 128, 1, 8, 3, path="cublas")  # tiles only used if cuBLAS refuses
+    return fp8_tiled_config(m, n, k, device)
