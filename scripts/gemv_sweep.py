@@ -4,7 +4,9 @@ For each bench weight shape and M in {1, 2, 4}: times cuBLAS bf16, torch's tinyg
 tiled W4A16 decode kernel as peers, then every GEMV candidate (block_n x warps x split-K), all as
 CUDA-graph replay medians on the same inputs; checks each candidate's output against an fp32
 product with the dequantized weight; writes every timing and the best config per (kind, n, k, m)
-to OUT.json. Usage: python scripts/gemv_sweep.py OUT.json [--quick]
+to OUT.json. FP8 block (--fp8): peers bf16 and the tiled FP8 kernel; candidates
+gemm_configs.fp8_gemv_candidates, checked against the W8A8 tiled kernel's output.
+Usage: python scripts/gemv_sweep.py OUT.json [--quick] [--fp8] [--no-w4a16]
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import triton.testing as tt
 
 from dsquant import formats as F
 from dsquant.bench.gemm import _tinygemm_pack
-from dsquant.runtime.kernels.gemm_configs import GemmConfig, w4a16_config
+from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
+from dsquant.runtime.kernels.gemm_configs import GemmConfig, fp8_gemv_candidates, fp8_tiled_config, w4a16_config
 from dsquant.runtime.kernels.w4a16_gemm import w4a16_linear
 from dsquant.runtime.kernels.w4a16_repack import dequantize_w4a16, repack_awq
 
@@ -42,10 +45,44 @@ def rel_err(y, ref) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-def main(out_path: str, quick: bool) -> None:
+def sweep_fp8(rows, best, t0) -> None:
+    counters = torch.zeros(8192, dtype=torch.int32, device="cuda")
+    for k, n in SHAPES:
+        w = torch.randn(n, k, device="cuda") * 0.02
+        wq, ws = F.quantize_fp8_block(w)
+        wb = w.to(torch.bfloat16)
+        for m in M_VALUES:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            tiled = fp8_tiled_config(m, n, k, x.device)
+            run = lambda cfg: fp8_block_linear(x, wq, ws, config=cfg, splitk_counters=counters)  # noqa: E731
+            ref = run(tiled).float()
+            for name, fn in {"bf16": lambda: torch.matmul(x, wb.t()), "fp8_tiled": lambda: run(tiled),
+                             "fp8_default": lambda: run(None)}.items():
+                us = time_graph(fn)
+                rows.append(dict(kind="peer", name=name, k=k, n=n, m=m, us=us))
+                print(f"fp8 {k}x{n} M={m} {name}: {us:.1f}", flush=True)
+            for cfg in fp8_gemv_candidates(m):
+                try:
+                    err = rel_err(run(cfg), ref)
+                    us = time_graph(lambda: run(cfg)) if err < 1e-2 else float("inf")
+                except Exception as e:  # noqa: BLE001 - does not compile or fit: not a candidate
+                    err, us = None, float("inf")
+                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
+                rows.append(dict(kind="fp8_gemv", k=k, n=n, m=m, cfg=cfg.__dict__, us=us, err=err))
+                key = f"fp8 {n} {k} {m}"
+                if us < best.get(key, {"us": float("inf")})["us"]:
+                    best[key] = dict(us=us, cfg=cfg.__dict__, err=err)
+            print(f"  best fp8 gemv {best.get(f'fp8 {n} {k} {m}')}  [{time.time() - t0:.0f} s]", flush=True)
+
+
+def main(out_path: str, quick: bool, fp8: bool, w4a16: bool) -> None:
     rows, best = [], {}
     t0 = time.time()
-    for k, n in SHAPES:
+    if fp8:
+        sweep_fp8(rows, best, t0)
+        with open(out_path, "w") as f:
+            json.dump({"rows": rows, "best": best}, f, indent=1)
+    for k, n in (SHAPES if w4a16 else []):
         w = torch.randn(n, k, device="cuda") * 0.02
         q, s, z = F.quantize_int_groupwise(w, 128)
         int4 = repack_awq(*F.to_awq_tensors(q, s, z, dtype=torch.bfloat16), 128)
@@ -87,4 +124,5 @@ def main(out_path: str, quick: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "gemv_sweep.json", "--quick" in sys.argv)
+    main(sys.argv[1] if len(sys.argv) > 1 else "gemv_sweep.json", "--quick" in sys.argv,
+         "--fp8" in sys.argv, "--no-w4a16" not in sys.argv)

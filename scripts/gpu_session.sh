@@ -22,7 +22,7 @@ for step in "$@"; do
                 --timeout 200 2>&1 | tail -40 > "$OUT/gputests.txt" ;;
     kerneltests) timeout "${KT_S:-200}" python3 -m pytest -q -m gpu -n "$W" -p no:cacheprovider ${TESTS:-tests/kernels} \
                 --timeout 150 2>&1 | tail -40 > "$OUT/kerneltests.txt" ;;
-    gemv) timeout "${GEMV_S:-240}" python3 scripts/gemv_sweep.py "$OUT/gemv_sweep.json" > "$OUT/gemv.txt" 2>&1 ;;
+    gemv) timeout "${GEMV_S:-240}" python3 scripts/gemv_sweep.py "$OUT/gemv_sweep.json" ${GEMV_ARGS:-} > "$OUT/gemv.txt" 2>&1 ;;
     gemm) timeout "${GEMM_S:-200}" python3 -m dsquant bench gemm --rep-ms 25 --json "$OUT/gemm.json" > "$OUT/gemm.txt" 2>&1 ;;
     moe) timeout "${MOE_S:-150}" python3 -m dsquant bench moe --json "$OUT/moe.json" ${MOE_ARGS:-} > "$OUT/moe.txt" 2>&1 ;;
     attention) timeout "${ATT_S:-200}" python3 -m dsquant bench attention --sweep --peer-gb 100 \

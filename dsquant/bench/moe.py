@@ -169,7 +169,7 @@ def _sweep_rows(fmt, t, layers, routing, time_graph):
     return rows
 
 
-GEMV_SWEEP = [(16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (128, 4)]  # (block_n, num_warps)
+GEMV_SWEEP = [(16, 1), (16, 2), (32, 1), (32, 2), (64, 4)]  # (block_n, num_warps)
 
 
 def _sweep_gemv_rows(t, layers, routing, time_graph):

@@ -25,10 +25,10 @@ class GemmConfig:
 
 
 DECODE_MAX_M = 64
-GEMV_MAX_M = 4  # W4A16 decode batches up to this many tokens run the GEMV (w4a16_gemv.py)
-# GEMV launch configs (block_m is the token count rounded up to 1, 2 or 4), tuned on the H200 per
-# (n, k): {(n, k): (block_n, split_k, num_warps)}; other shapes use w4a16_gemv_config's heuristic.
-TUNED_GEMV_SM90: dict = {}
+# W4A16 decode batches up to this many tokens run the GEMV (w4a16_gemv.py, which takes up to 4):
+# its FMA work grows with M, and scripts/gemv_sweep.py on the H200 had it beat the tiled MMA kernel
+# at M = 1 and 2 on every bench shape (7168 x 18432: 35.5 / 52.5 us against 78 us) but not at M = 4.
+GEMV_MAX_M = 2
 # Tuned on the H200 (sm_90, 2026-11-29, triton 3.6) with scripts/gemm_sweep.py, CUDA-graph medians
 # in the comments: {(kind, m_bucket, n, k): GemmConfig}; m_bucket(M) is M rounded up to a power of
 # two, clamped to [16, 4096]. The sweep ran out of time on 7168 x 18432 after M = 1 and 64 (w4a16)
@@ -109,13 +109,13 @@ def _lookup(kind: str, m: int, n: int, k: int, device) -> GemmConfig | None:
 
 
 def w4a16_gemv_config(m: int, n: int, k: int, group_size: int, device=None) -> GemmConfig:
-    """GEMV config for M <= GEMV_MAX_M: 64-channel rows, split-K to >= 2.5 programs per SM."""
-    bm = triton_next_pow2(m)
-    tuned = TUNED_GEMV_SM90.get((n, k)) if _gpu_family(device) == "sm90" else None
-    if tuned is not None:
-        return GemmConfig(bm, tuned[0], tuned[1], tuned[2], 1, path="gemv")
-    split = pick_split_k(-(-n // 64), k // group_size, device_sms(device), min_chunks=2)
-    return GemmConfig(bm, 64, split, 4, 1, path="gemv")
+    """GEMV config: 64 channels per program at M = 1, 32 above, 2 warps, split-K 8 (fewer when
+    a split would get under 2 groups). On the H200 sweep (12 shape x M cases) every case's times
+    were within 10% across the top configs, and this one within 6% of each case's best."""
+    split = 8
+    while split > 1 and k // group_size < 2 * split:
+        split //= 2
+    return GemmConfig(triton_next_pow2(m), 64 if m == 1 else 32, split, 2, 1, path="gemv")
 
 
 def w4a16_config(m: int, n: int, k: int, group_size: int, device=None) -> GemmConfig:

@@ -71,14 +71,25 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_ptr, ids_ptr, N
     s_off = expert * stride_se + offs_n * stride_s2  # [BN]
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    # tiles k0 and k0 + 128 are in flight while k0 is computed (few programs per SM at decode:
+    # the loads, not the FMAs, set the pace); up rows are N further down the same expert
+    p0 = _int4_tile(w_ptr, expert, offs_n, n_mask, 0, stride_we, stride_wc)  # [BN, 16]
+    p1 = _int4_tile(w_ptr, expert, offs_n, n_mask & (128 < K), 128, stride_we, stride_wc)
+    if GATED:
+        u0 = _int4_tile(w_ptr, expert, offs_n + N, n_mask, 0, stride_we, stride_wc)
+        u1 = _int4_tile(w_ptr, expert, offs_n + N, n_mask & (128 < K), 128, stride_we, stride_wc)
     for k0 in range(0, K, 128):
-        packed = _int4_tile(w_ptr, expert, offs_n, n_mask, k0, stride_we, stride_wc)  # [BN, 16]
+        ahead = n_mask & (k0 + 256 < K)
+        p2 = _int4_tile(w_ptr, expert, offs_n, ahead, k0 + 256, stride_we, stride_wc)
+        acc = _tile_dot(acc, p0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1, GROUP)
+        p0 = p1
+        p1 = p2
         if GATED:
-            packed_up = _int4_tile(w_ptr, expert, offs_n + N, n_mask, k0, stride_we, stride_wc)
-        acc = _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1, GROUP)
-        if GATED:
-            acc_up = _tile_dot(acc_up, packed_up, a_ptr, a_off, k0, s_ptr, z_ptr, s_off + N * stride_s2,
+            u2 = _int4_tile(w_ptr, expert, offs_n + N, ahead, k0 + 256, stride_we, stride_wc)
+            acc_up = _tile_dot(acc_up, u0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off + N * stride_s2,
                                n_mask, stride_s1, GROUP)
+            u0 = u1
+            u1 = u2
     y = tl.sum(acc, axis=1)  # [BN]
     if GATED:
         y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)

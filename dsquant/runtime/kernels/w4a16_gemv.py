@@ -1,4 +1,4 @@
-"""W4A16 GEMV for decode batches of 1..4 tokens: y = x @ dequant(W)^T without tensor cores.
+"""W4A16 GEMV for decode batches of 1..4 tokens (dispatched at M <= gemm_configs.GEMV_MAX_M): y = x @ dequant(W)^T without tensor cores.
 
 Layouts (the kernel layout of w4a16_repack.py): x [M, K] bf16/fp16 (unit column stride);
 qweight int32 [N, K/8] packed along K (nibble i of word c holds k = 8c + i); scales [K/G, N];
@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.gemm_configs import GEMV_MAX_M
 from dsquant.runtime.kernels.splitk import store_tile
 
 
@@ -80,12 +79,12 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
 
 def w4a16_gemv(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, split_k: int,
                num_warps: int, num_stages: int = 1) -> torch.Tensor:
-    """out [M, N] = x2 [M, K] @ dequant(w)^T for M <= GEMV_MAX_M (w: W4A16Weights; inputs checked
+    """out [M, N] = x2 [M, K] @ dequant(w)^T for M <= 4 (w: W4A16Weights; inputs checked
     by w4a16_gemm.w4a16_linear)."""
     m, k = x2.shape
     n = w.out_features
-    if not 1 <= m <= GEMV_MAX_M:
-        raise ValueError(f"w4a16_gemv: M must be 1..{GEMV_MAX_M}, got {m}")
+    if not 1 <= m <= 4:
+        raise ValueError(f"w4a16_gemv: M must be 1..4, got {m}")
     num_groups = k // w.group_size
     tiles = triton.cdiv(n, block_n)
     split = max(1, min(split_k, num_groups))
