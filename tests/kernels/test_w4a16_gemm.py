@@ -141,7 +141,7 @@ def test_w4a16_gpu_full_size_bf16(m, group):
                              out=_poisoned(m, n, torch.bfloat16, "cuda"))
             _check(y, x, dense, torch.bfloat16)
         if m <= 4:  # the GEMV with explicit configs
-            cfg = GemmConfig(1 << (m - 1).bit_length(), 32 * split, split, 4, 1, path="gemv")
+            cfg = GemmConfig(1 << (m - 1).bit_length(), {1: 32, 3: 64, 8: 128}[split], split, 4, 1, path="gemv")
             y = w4a16_linear(x, packed, cfg, out=_poisoned(m, n, torch.bfloat16, "cuda"))
             _check(y, x, dense, torch.bfloat16)
     assert int(packed.splitk_counters.abs().sum()) == 0

@@ -152,25 +152,24 @@ def fp8_tiled_config(m: int, n: int, k: int, device=None) -> GemmConfig:
 #             shapes cuBLAS takes (N and K multiples of 128); Triton tiled kernel if it refuses
 #   "fused" / "weight_only"  the Triton tiled kernel (fp8_gemm.py); "weight_only" is a tiling
 #             hint of the sweep, never a change of numerics
-FP8_GEMV_MAX_M = 4
-FP8_CUBLAS_MIN_M = 128
-# GEMV configs tuned on the H200 per (n, k): {(n, k): (block_n, split_k, num_warps)}; others use
-# fp8_gemv_config's heuristic. Fill from a GPU sweep over fp8_gemv_candidates.
-TUNED_FP8_GEMV_SM90: dict = {}
+FP8_GEMV_MAX_M = 4  # the FP8 GEMV kernel's limit
+# The decode choice between the FP8 GEMV and cuBLAS (rows padded to 16), from the H200 run of
+# scripts/gemv_sweep.py --fp8 and dsquant bench gemm (2026-11-29, graph replays): the GEMV wins
+# while M * N * K is small (M = 1: 2816x2048 6.0 vs ~11 us, 4096x7168 14.3 vs ~17 us; M = 2:
+# 2816x2048 7.9 us), cuBLAS above (18432x7168: GEMV 79.5 us at M = 1, cuBLAS 49.6 us at M = 4;
+# 4096x7168 at M = 2: GEMV 21.5 us, cuBLAS ~18 us).
+FP8_GEMV_MAX_WORK = 1 << 25  # M * N * K
+FP8_CUBLAS_MIN_M = 1
 
 
 def fp8_gemv_config(m: int, n: int, k: int, device=None) -> GemmConfig:
-    """GEMV config for M <= FP8_GEMV_MAX_M: 64-channel rows, split-K to >= 2.5 programs per SM.
-
-    block_m is M rounded up to 1, 2 or 4. On sm_90 (ptxas, Triton 3.8) 64 x 128 blocks with 4
-    warps take about 180-200 registers (two programs per SM, two 8 KB blocks in flight each).
-    """
-    bm = triton_next_pow2(m)
-    tuned = TUNED_FP8_GEMV_SM90.get((n, k)) if _gpu_family(device) == "sm90" else None
-    if tuned is not None:
-        return GemmConfig(bm, tuned[0], tuned[1], tuned[2], 1, path="gemv")
-    split = pick_split_k(-(-n // 64), -(-k // 128), device_sms(device), min_chunks=2)
-    return GemmConfig(bm, 64, split, 4, 1, path="gemv")
+    """GEMV config: 32 channels per program, 4 warps, split-K 4 (fewer when K has under 8
+    blocks). Over the H200 sweep of 30 configs x 4 shapes it stayed within 15% of each case's
+    best at M = 1 and 6% at M = 2; block_m is M rounded up to 1, 2 or 4."""
+    split = 4
+    while split > 1 and -(-k // 128) < 2 * split:
+        split //= 2
+    return GemmConfig(triton_next_pow2(m), 32, split, 4, 1, path="gemv")
 
 
 def fp8_gemv_candidates(m: int) -> list[GemmConfig]:
@@ -189,8 +188,9 @@ def fp8_cublas_eligible(m: int, n: int, k: int, device=None) -> bool:
 
 def fp8_config(m: int, n: int, k: int, device=None) -> GemmConfig:
     """The FP8 path and launch config for M tokens: GEMV, cuBLAS blockwise, or the Triton tiles."""
-    if m <= FP8_GEMV_MAX_M:
+    cublas = fp8_cublas_eligible(m, n, k, device)
+    if m <= FP8_GEMV_MAX_M and (m * n * k <= FP8_GEMV_MAX_WORK or (not cublas and m <= 2)):
         return fp8_gemv_config(m, n, k, device)
-    if fp8_cublas_eligible(m, n, k, device):
+    if cublas:
         return GemmConfig(128, 128, 1, 8, 3, path="cublas")  # tiles only used if cuBLAS refuses
     return fp8_tiled_config(m, n, k, device)
