@@ -147,8 +147,8 @@ def _fused_moe_gemv(hidden, weights: MoeWeights, topk_weights, topk_ids, shared_
     ids = topk_ids.contiguous()
     act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
     out = torch.empty(t * top_k, h, dtype=hidden.dtype, device=hidden.device)  # [T*k, H]
-    moe_gemv_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=16, num_warps=1)
+    moe_gemv_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=16, num_warps=2)
     moe_gemv_int4(act, weights.w2, ids, out, a_row_div=1, gated=False, topk_weights=topk_weights,
-                  block_n=16, num_warps=1)  # bench moe --sweep int4 on the H200: (16, 1) fastest for both
+                  block_n=16, num_warps=2)  # bench moe --sweep int4 on the H200: (16, 2) fastest for both
     result = out.view(t, top_k, h).sum(dim=1)  # [T, H]
     return result if shared_output is None else result + shared_output
