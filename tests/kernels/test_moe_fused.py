@@ -17,7 +17,13 @@ E, H, I = 8, 128, 128  # small CPU shapes; fp8 needs I % 128 == 0, int4 g128 nee
 
 
 def _tol(fmt, dtype):
-    return 2e-2 if dtype == torch.bfloat16 or fmt == "fp8" else 4e-3
+    # fp8: the SiLU-and-mul output is re-quantized to fp8, so a 1-ulp bf16 difference in gate/up
+    # (accumulation order) can move an intermediate fp8 code by 1/16. On the H200 at T = 1 the
+    # error against the float64 reference ranged 0.002-0.021 over 7 draws; a reference without
+    # activation quantization is 0.043 away, so 3e-2 still tells the two apart.
+    if fmt == "fp8":
+        return 3e-2
+    return 2e-2 if dtype == torch.bfloat16 else 4e-3
 
 
 def _check(fmt, weights, d13, d2, hidden, tw, ids, configs=None, shared=None):
