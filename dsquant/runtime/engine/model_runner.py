@@ -101,7 +101,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, self.config.cuda_graph_max_batch)
             self.graphs.capture()
         except Exception as e:  # a kernel that cannot be captured: stay eager, say so
-            log.warning("CUDA graph capture failed, decoding eagerly: %s", e)
+            log.warning("CUDA graph capture failed, decoding eagerly: %s", e, exc_info=True)
             self.graphs = None
 
     # ------------------------------------------------------------------ one step
