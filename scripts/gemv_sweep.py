@@ -45,6 +45,34 @@ def rel_err(y, ref) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
+def time_peers(peers: dict, rows, k, n, m, label: str = "") -> None:
+    """Times each peer fn; one that fails is reported (us None), not fatal."""
+    for name, fn in peers.items():
+        try:
+            us = time_graph(fn)
+        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            print(f"  {name} failed: {type(e).__name__}: {str(e)[:100]}")
+            us = None
+        rows.append(dict(kind="peer", name=name, k=k, n=n, m=m, us=us))
+        print(f"{label}{k}x{n} M={m} {name}: {us}", flush=True)
+
+
+def time_candidates(kind: str, cands, run, ref, tol: float, rows, best, k, n, m) -> str:
+    """Checks each config's output against ref (rel. err < tol) and times it; returns best's key."""
+    key = f"{kind.split('_')[0]} {n} {k} {m}"
+    for cfg in cands:
+        try:
+            err = rel_err(run(cfg), ref)
+            us = time_graph(lambda: run(cfg)) if err < tol else float("inf")
+        except Exception as e:  # noqa: BLE001 - does not compile or fit: not a candidate
+            err, us = None, float("inf")
+            print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
+        rows.append(dict(kind=kind, k=k, n=n, m=m, cfg=cfg.__dict__, us=us, err=err))
+        if us < best.get(key, {"us": float("inf")})["us"]:
+            best[key] = dict(us=us, cfg=cfg.__dict__, err=err)
+    return key
+
+
 def sweep_fp8(rows, best, t0) -> None:
     counters = torch.zeros(8192, dtype=torch.int32, device="cuda")
     for k, n in SHAPES:
@@ -56,22 +84,9 @@ def sweep_fp8(rows, best, t0) -> None:
             tiled = fp8_tiled_config(m, n, k, x.device)
             run = lambda cfg: fp8_block_linear(x, wq, ws, config=cfg, splitk_counters=counters)  # noqa: E731
             ref = run(tiled).float()
-            for name, fn in {"bf16": lambda: torch.matmul(x, wb.t()), "fp8_tiled": lambda: run(tiled),
-                             "fp8_default": lambda: run(None)}.items():
-                us = time_graph(fn)
-                rows.append(dict(kind="peer", name=name, k=k, n=n, m=m, us=us))
-                print(f"fp8 {k}x{n} M={m} {name}: {us:.1f}", flush=True)
-            for cfg in fp8_gemv_candidates(m):
-                try:
-                    err = rel_err(run(cfg), ref)
-                    us = time_graph(lambda: run(cfg)) if err < 1e-2 else float("inf")
-                except Exception as e:  # noqa: BLE001 - does not compile or fit: not a candidate
-                    err, us = None, float("inf")
-                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
-                rows.append(dict(kind="fp8_gemv", k=k, n=n, m=m, cfg=cfg.__dict__, us=us, err=err))
-                key = f"fp8 {n} {k} {m}"
-                if us < best.get(key, {"us": float("inf")})["us"]:
-                    best[key] = dict(us=us, cfg=cfg.__dict__, err=err)
+            time_peers({"bf16": lambda: torch.matmul(x, wb.t()), "fp8_tiled": lambda: run(tiled),
+                        "fp8_default": lambda: run(None)}, rows, k, n, m, "fp8 ")
+            time_candidates("fp8_gemv", fp8_gemv_candidates(m), run, ref, 1e-2, rows, best, k, n, m)
             print(f"  best fp8 gemv {best.get(f'fp8 {n} {k} {m}')}  [{time.time() - t0:.0f} s]", flush=True)
 
 
@@ -96,26 +111,10 @@ def main(out_path: str, quick: bool, fp8: bool, w4a16: bool) -> None:
                      "tinygemm": lambda: torch.ops.aten._weight_int4pack_mm(x, tg[0], 128, tg[1]),
                      "w4a16_tiled": lambda: w4a16_linear(x, int4, GemmConfig(16, 64, 8, 4, 4)),
                      "w4a16_default": lambda: w4a16_linear(x, int4)}
-            for name, fn in peers.items():
-                try:
-                    us = time_graph(fn)
-                except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
-                    print(f"  {name} failed: {type(e).__name__}: {str(e)[:100]}")
-                    us = None
-                rows.append(dict(kind="peer", name=name, k=k, n=n, m=m, us=us))
-                print(f"{k}x{n} M={m} {name}: {us}", flush=True)
+            time_peers(peers, rows, k, n, m)
             print(f"  default config: {w4a16_config(m, n, k, 128, x.device)}")
-            for cfg in candidates(m, quick):
-                try:
-                    err = rel_err(w4a16_linear(x, int4, cfg), ref)
-                    us = time_graph(lambda: w4a16_linear(x, int4, cfg)) if err < 2e-2 else float("inf")
-                except Exception as e:  # noqa: BLE001 - out of registers etc.: not a candidate
-                    err, us = None, float("inf")
-                    print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}")
-                rows.append(dict(kind="w4a16_gemv", k=k, n=n, m=m, cfg=cfg.__dict__, us=us, err=err))
-                key = f"w4a16 {n} {k} {m}"
-                if us < best.get(key, {"us": float("inf")})["us"]:
-                    best[key] = dict(us=us, cfg=cfg.__dict__, err=err)
+            time_candidates("w4a16_gemv", candidates(m, quick), lambda cfg: w4a16_linear(x, int4, cfg),
+                            ref, 2e-2, rows, best, k, n, m)
             print(f"  best gemv {best.get(f'w4a16 {n} {k} {m}')}  [{time.time() - t0:.0f} s]", flush=True)
             with open(out_path, "w") as f:  # after every M, so a cut-short sweep still counts
                 json.dump({"rows": rows, "best": best}, f, indent=1)

@@ -131,7 +131,12 @@ class MLAttention(nn.Module):
         latent = self.kv_a_proj_with_mqa(x)  # [B, T, R + rope]
         kv_latent, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_latent = self.kv_a_layernorm(kv_latent)  # [B, T, R]
-        q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, self.rope_interleave)  # [B, T, H, rope]
-        k_pe = apply_rope(k_pe[:, :, None, :], ctx.cos, ctx.sin, self.rope_interleave)[:, :, 0]
+        q_pe, k_pe = self.rotate(q_pe, k_pe, ctx)
         out = self.backend.mla(self, q_nope, q_pe, kv_latent, k_pe, ctx)  # [B, T, H, v]
         return self.o_proj(out.reshape(b, t, -1))
+
+    def rotate(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ctx):
+        """RoPE on q_pe [B, T, H, rope] and k_pe [B, T, rope] (the runtime fuses this step)."""
+        q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, self.rope_interleave)  # [B, T, H, rope]
+        k_pe = apply_rope(k_pe[:, :, None, :], ctx.cos, ctx.sin, self.rope_interleave)[:, :, 0]
+        return q_pe, k_pe

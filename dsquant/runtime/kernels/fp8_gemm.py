@@ -32,7 +32,7 @@ from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8, quant_g
 from dsquant.runtime.kernels.fp8_gemv import fp8_gemv
 from dsquant.runtime.kernels.gemm_configs import (DECODE_MAX_M, FP8_GEMV_MAX_M, GemmConfig,
                                                   fp8_config, fp8_tiled_config)
-from dsquant.runtime.kernels.splitk import store_tile, swizzled_tile
+from dsquant.runtime.kernels.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
 
 FP8_BLOCK = 128
 CUBLAS_ROWS = 16  # token counts padded to this for cuBLAS (the bench saw M = 1 refused, 4 taken)
@@ -53,9 +53,7 @@ def _fp8_block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, coun
     n_mask = offs_n < N
     m_mask = offs_m < M
     num_kb = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(num_kb, split_k)
-    kb_lo = pid_k * per_split
-    kb_hi = tl.minimum(kb_lo + per_split, num_kb)
+    kb_lo, kb_hi = split_range(pid_k, num_kb, split_k)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
@@ -209,12 +207,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         (a, a_s), mode = per_token_group_quant_fp8(x2, FP8_BLOCK), 0
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = min(cfg.split_k, triton.cdiv(k, FP8_BLOCK))
-    part = torch.empty(split if split > 1 else 1, m if split > 1 else 1, n, dtype=torch.float32,
-                       device=x.device)  # [split, M, N] partial sums (a stub when split == 1)
-    counters = splitk_counters
-    if counters is None or counters.numel() < tiles:
-        counters = (torch.zeros(tiles, dtype=torch.int32, device=x.device) if split > 1
-                    else torch.empty(1, dtype=torch.int32, device=x.device))
+    part, counters = splitk_buffers(split, m, n, tiles, splitk_counters, x.device)
     _fp8_block_gemm_kernel[(tiles, split)](
         a, a_s, weight, weight_scale_inv, out, part, counters, m, n, k,
         a.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), weight_scale_inv.stride(0),

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from dsquant.runtime.kernels.fp8_quant import quant_group_fp8
 from dsquant.runtime.kernels.gemm_configs import FP8_GEMV_MAX_M
-from dsquant.runtime.kernels.splitk import store_tile
+from dsquant.runtime.kernels.splitk import split_range, splitk_buffers, store_tile
 
 
 @triton.jit
@@ -72,9 +72,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counters_p
     ws_rows = ws_ptr + (tl.minimum(offs_n, N - 1) // BLOCK_K) * stride_wsn  # [BN]
 
     num_kb = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(num_kb, split_k)
-    kb_lo = pid_k * per_split
-    kb_hi = tl.minimum(kb_lo + per_split, num_kb)
+    kb_lo, kb_hi = split_range(pid_k, num_kb, split_k)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     w_next = _load_w_block(w_rows, tl.minimum(kb_lo, num_kb - 1), offs_kk, K, EVEN_K)  # [BN, BK]
     for kb in range(kb_lo, kb_hi):
@@ -115,11 +113,7 @@ def fp8_gemv(x2: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tenso
         raise ValueError("fp8_gemv: an fp8 x needs its x_scale [M, ceil(K/128)]")
     tiles = triton.cdiv(n, block_n)
     split = max(1, min(split_k, triton.cdiv(k, 128)))
-    part = torch.empty(split if split > 1 else 1, m if split > 1 else 1, n, dtype=torch.float32,
-                       device=x2.device)  # [split, M, N] partial sums (a stub when split == 1)
-    counters = splitk_counters
-    if counters is None or (split > 1 and counters.numel() < tiles):
-        counters = torch.zeros(max(tiles, 1), dtype=torch.int32, device=x2.device)
+    part, counters = splitk_buffers(split, m, n, tiles, splitk_counters, x2.device)
     xs = x_scale if is_fp8 else weight_scale_inv  # a stub pointer in A_MODE 1
     _fp8_gemv_kernel[(tiles, split)](
         x2, xs, weight, weight_scale_inv, out, part, counters, m, n, k,

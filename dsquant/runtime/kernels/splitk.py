@@ -13,8 +13,19 @@ resets the counter to zero, leaving the counters ready for the next launch. One 
 memset and no second reduction kernel: what a CUDA-graph decode step wants. split_k is a run-time
 argument, so one compiled kernel serves every split factor.
 """
+import torch
 import triton
 import triton.language as tl
+
+
+def splitk_buffers(split: int, m: int, n: int, tiles: int, counters: torch.Tensor | None, device):
+    """Host side of store_tile: (part fp32 [split, M, N], or a [1, 1, N] stub when split == 1;
+    counters int32 with >= tiles zero slots: the given buffer if it is large enough, else new)."""
+    part = torch.empty(split if split > 1 else 1, m if split > 1 else 1, n, dtype=torch.float32,
+                       device=device)
+    if counters is None or (split > 1 and counters.numel() < tiles):
+        counters = torch.zeros(max(tiles, 1), dtype=torch.int32, device=device)
+    return part, counters
 
 
 @triton.jit
@@ -27,6 +38,14 @@ def swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWIZZ
     pid_n = first_n + (pid % width) % size_n
     pid_m = (pid % width) // size_n
     return pid_n, pid_m
+
+
+@triton.jit
+def split_range(pid_k, num_chunks, split_k):
+    """K chunks [lo, hi) of split pid_k: ceil(num_chunks / split_k) each, the last ones shorter."""
+    per_split = tl.cdiv(num_chunks, split_k)
+    lo = pid_k * per_split
+    return lo, tl.minimum(lo + per_split, num_chunks)
 
 
 @triton.jit

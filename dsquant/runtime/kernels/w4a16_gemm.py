@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from dsquant.runtime.kernels.gemm_configs import GemmConfig, w4a16_config
-from dsquant.runtime.kernels.splitk import store_tile, swizzled_tile
+from dsquant.runtime.kernels.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
 from dsquant.runtime.kernels.w4a16_gemv import w4a16_gemv
 from dsquant.runtime.kernels.w4a16_repack import W4A16Weights
 
@@ -71,9 +71,7 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
     offs_k = tl.arange(0, GROUP)  # [G]
     dtype = x_ptr.dtype.element_ty
 
-    per_split = tl.cdiv(num_groups, split_k)
-    g_lo = pid_k * per_split
-    g_hi = tl.minimum(g_lo + per_split, num_groups)
+    g_lo, g_hi = split_range(pid_k, num_groups, split_k)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for g in range(g_lo, g_hi):
         qw = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * (GROUP // 8) + offs_w)[None, :],
@@ -175,11 +173,7 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weights, config: GemmConfig | None = N
         return out.reshape(*x.shape[:-1], n)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = min(cfg.split_k, k // w.group_size)
-    part = torch.empty(split if split > 1 else 1, m if split > 1 else 1, n, dtype=torch.float32,
-                       device=x.device)  # [split, M, N] partial sums (a stub when split == 1)
-    counters = w.splitk_counters
-    if counters is None or (split > 1 and counters.numel() < tiles):
-        counters = torch.zeros(max(tiles, 1), dtype=torch.int32, device=x.device)
+    part, counters = splitk_buffers(split, m, n, tiles, w.splitk_counters, x.device)
     magic, offset = _MAGIC[x.dtype]
     perm = w.perm if w.perm is not None else w.qweight
     _w4a16_gemm_kernel[(tiles, split)](

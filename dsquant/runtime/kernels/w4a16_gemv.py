@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.splitk import store_tile
+from dsquant.runtime.kernels.splitk import split_range, splitk_buffers, store_tile
 
 
 @triton.jit
@@ -54,9 +54,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
     offs_w = tl.arange(0, GROUP // 8)  # [G/8] packed words of one group
     offs_k = tl.arange(0, GROUP)  # [G]
 
-    per_split = tl.cdiv(num_groups, split_k)
-    g_lo = pid_k * per_split
-    g_hi = tl.minimum(g_lo + per_split, num_groups)
+    g_lo, g_hi = split_range(pid_k, num_groups, split_k)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for g in range(g_lo, g_hi):
         qw = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (g * (GROUP // 8) + offs_w)[None, :],
@@ -88,11 +86,7 @@ def w4a16_gemv(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, split_k: in
     num_groups = k // w.group_size
     tiles = triton.cdiv(n, block_n)
     split = max(1, min(split_k, num_groups))
-    part = torch.empty(split if split > 1 else 1, m if split > 1 else 1, n, dtype=torch.float32,
-                       device=x2.device)  # [split, M, N] partial sums (a stub when split == 1)
-    counters = w.splitk_counters
-    if counters is None or (split > 1 and counters.numel() < tiles):
-        counters = torch.zeros(max(tiles, 1), dtype=torch.int32, device=x2.device)
+    part, counters = splitk_buffers(split, m, n, tiles, w.splitk_counters, x2.device)
     perm = w.perm if w.perm is not None else w.qweight
     _w4a16_gemv_kernel[(tiles, split)](
         x2, w.qweight, w.scales, w.zeros, perm, out, part, counters,

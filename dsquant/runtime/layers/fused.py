@@ -90,28 +90,18 @@ class TritonGatedMLP(GatedMLP):
 
 
 class TritonMLAttention(MLAttention):
-    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        if not runs_triton(x):
-            return super().forward(x, ctx)
+    def rotate(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ctx):
+        if not runs_triton(q_pe):
+            return super().rotate(q_pe, k_pe, ctx)
         from dsquant.runtime.kernels.rope import apply_rope
 
-        b, t, _ = x.shape  # x [B, T, hidden]
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(b, t, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_proj_with_mqa(x)  # [B, T, R + rope]
-        kv_latent, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv_latent = self.kv_a_layernorm(kv_latent)  # [B, T, R]
+        b, t = q_pe.shape[:2]
         half = self.qk_rope_head_dim // 2
         # in place on the views: q_pe [B*T, H, rope], k_pe [B*T, 1, rope]; cos/sin [B*T, rope/2]
         apply_rope(None, q_pe.view(b * t, self.num_heads, -1), k_pe.view(b * t, 1, -1),
                    ctx.cos.view(b * t, half), ctx.sin.view(b * t, half),
                    layout="interleaved" if self.rope_interleave else "neox")
-        out = self.backend.mla(self, q_nope, q_pe, kv_latent, k_pe, ctx)  # [B, T, H, v]
-        return self.o_proj(out.reshape(b, t, -1))
+        return q_pe, k_pe
 
 
 FUSED = {RMSNorm: TritonRMSNorm, DecoderLayer: FusedAddNormDecoderLayer, Router: TritonRouter,
