@@ -86,3 +86,19 @@ def test_cuda_quantized_kernels_match_reference_dequant(scheme, tiny_models, tmp
     if scheme != "fp8":
         assert tokens(dense, kernels=False, device="cuda", dtype=torch.bfloat16) == ref
     assert tokens(quant, kernels=True, device="cuda", dtype=torch.bfloat16, enforce_eager=False) == ref
+
+
+@CPU_ONLY
+def test_fp8_experts_off_the_128_grid_run_dequantized(tmp_path):
+    """FP8 experts with moe_intermediate_size 96 (not a multiple of 128, yet gate and up scales
+    stack to the shape of one [2I, H] weight) are refused by MoeWeights: FusedMoE must fall back to
+    dequantized bf16 grouped experts (CUDA-graph capturable), not fail to load."""
+    src = tmp_path / "src"
+    build_hf("deepseek_v2", moe_intermediate_size=96).save_pretrained(src)
+    quant, _ = write_pair(src, tmp_path, "fp8")
+    eng = []
+    out = tokens(quant, kernels=True, engine_out=eng)
+    assert len(out) == 3 and all(len(t) == 4 for t in out)
+    mlp = eng[0].model.model.layers[1].mlp
+    assert mlp.backend.weights[mlp].w13.format == "bf16"
+    assert mlp.backend.weights[mlp].w13.n == 2 * 96

@@ -38,12 +38,12 @@ class FusedMoE:
         from dsquant.runtime.kernels.fused_moe import MoeWeights
 
         experts = [e for e in module.experts if e is not None]  # None: held by another rank (expert parallel)
-        try:
-            w13, w2 = self._grouped(module, experts)
+        try:  # MoeWeights checks what the grouped GEMMs take (e.g. fp8: intermediate % 128 == 0)
+            weights = MoeWeights(*self._grouped(module, experts))
         except ValueError as e:  # a shape the quantized grouped GEMM does not take: run bf16 experts
             log.info("layer %d: %s; running the experts dequantized", decoder_layer.layer_idx, e)
-            w13, w2 = self._grouped(module, experts, dense=True)
-        self.weights[module] = MoeWeights(w13=w13, w2=w2)
+            weights = MoeWeights(*self._grouped(module, experts, dense=True))
+        self.weights[module] = weights
         for e in experts:
             for proj in (e.gate_proj, e.up_proj, e.down_proj):
                 proj._parameters.clear()
