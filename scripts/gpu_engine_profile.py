@@ -53,6 +53,21 @@ with tempfile.TemporaryDirectory() as tmp:
             eng.step()
             steps.append(time.perf_counter() - t)
         runner.prepare, runner.execute = orig_prepare, orig_execute
+        # host profile of decode steps (cProfile): where the Python time goes
+        import cProfile
+        import io
+        import pstats
+        eng.add_request(_prompts(1, 512, 32000, 8)[0], SamplingParams(max_tokens=40, ignore_eos=True))
+        eng.step()
+        pr = cProfile.Profile()
+        pr.enable()
+        while eng.has_unfinished():
+            eng.step()
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(60)
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
+        (out / f"cprofile_{scheme}.txt").write_text(buf.getvalue())
         med = lambda v: sorted(v)[len(v) // 2] * 1e3
         info.update(step_ms=med(steps), prepare_ms=med(t_prep[1:]), execute_ms=med(t_exec[1:]))
         # graph replay alone
@@ -64,6 +79,12 @@ with tempfile.TemporaryDirectory() as tmp:
                 g.replay()
             torch.cuda.synchronize()
             info["graph_replay_ms"] = (time.perf_counter() - t) / 20 * 1e3
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    g.replay()
+                torch.cuda.synchronize()
+            (out / f"replay_kernels_{scheme}.txt").write_text(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=60))
         eng.add_request(_prompts(1, 512, 32000, 7)[0], SamplingParams(max_tokens=12, ignore_eos=True))
         eng.step()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

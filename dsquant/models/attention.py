@@ -127,13 +127,18 @@ class MLAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(b, t, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_proj_with_mqa(x)  # [B, T, R + rope]
+        out = self.attend(q, latent, ctx)  # [B, T, H, v]
+        return self.o_proj(out.reshape(b, t, -1))
+
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, ctx) -> torch.Tensor:
+        """q [B, T, H, nope + rope] and latent [B, T, R + rope] (the projections' outputs) -> [B, T, H, v]:
+        the kv_a RMSNorm, rope and the backend's attention (the runtime fuses these steps)."""
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_latent, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_latent = self.kv_a_layernorm(kv_latent)  # [B, T, R]
         q_pe, k_pe = self.rotate(q_pe, k_pe, ctx)
-        out = self.backend.mla(self, q_nope, q_pe, kv_latent, k_pe, ctx)  # [B, T, H, v]
-        return self.o_proj(out.reshape(b, t, -1))
+        return self.backend.mla(self, q_nope, q_pe, kv_latent, k_pe, ctx)  # [B, T, H, v]
 
     def rotate(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ctx):
         """RoPE on q_pe [B, T, H, rope] and k_pe [B, T, rope] (the runtime fuses this step)."""

@@ -48,6 +48,18 @@ def test_mla_decode_cpu(block_size, heads, block_h, splits, device):
     _check(device, torch.float16, seq_lens, block_size, heads, 64, 16, config, atol=2e-3)
 
 
+def test_mla_decode_graph_max_seq_len(device):
+    """Under a CUDA graph max_seq_len is max_model_len: the splits it sizes for a long context must
+    still cover short sequences, each spreading its own length over them (partial merge included)."""
+    seq_lens = [1, 40, 100]
+    q_nope, q_pe, cache, table, lens = _inputs(device, torch.float16, seq_lens, 16, 4, 64, 16, seed=3)
+    out = torch.full_like(q_nope, float("nan"))
+    mla_decode_attention(q_nope, q_pe, cache, table, lens, 0.1, max_seq_len=1 << 17, out=out,
+                         config=MLADecodeConfig(block_n=16, num_stages=1))
+    torch.testing.assert_close(out.float(), mla_decode_reference(q_nope, q_pe, cache, table, lens, 0.1),
+                               atol=2e-3, rtol=0)
+
+
 def test_mla_absorbed_equals_unabsorbed(device):
     """out_latent @ W_UV == softmax([q W_UK-expanded K ; k_pe]) (W_UV c), with a YaRN mscale in the scale."""
     heads, rank, rope, nope, v_dim, block_size = 4, 64, 16, 32, 32, 16

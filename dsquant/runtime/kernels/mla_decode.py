@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_plan
+from dsquant.runtime.kernels.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
 
 LOG2E = 1.4426950408889634
 
@@ -54,7 +54,7 @@ def _mla_decode_kernel(
     block_table_ptr, stride_bt, seq_lens_ptr,  # [B, max_blocks] int32, [B] int32
     out_ptr, stride_ob, stride_oh,  # out [B, H, R] (not IS_SPLIT)
     part_out_ptr, part_lse_ptr,  # [B, H, S, R], [B, H, S] float32 (IS_SPLIT)
-    scale_log2, tokens_per_split, num_splits, num_heads,
+    scale_log2, num_splits, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
 ):
@@ -62,8 +62,7 @@ def _mla_decode_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = split * tokens_per_split
-    end = tl.minimum(seq_len, start + tokens_per_split)
+    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N)
 
     r = tl.arange(0, RANK)
     p = tl.arange(0, ROPE)
@@ -146,29 +145,23 @@ def choose_mla_splits(programs: int, block_h: int, block_n: int, max_seq_len: in
     return 1 << (max(1, splits).bit_length() - 1)
 
 
-def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                         block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         max_seq_len: int | None = None, config: MLADecodeConfig = MLADecodeConfig(),
-                         out: torch.Tensor | None = None) -> torch.Tensor:
-    """Absorbed MLA attention -> out [B, H, R] in latent space (see the module docstring)."""
-    _check(q_nope, q_pe, kv_cache, block_table, seq_lens)
-    batch, heads, rank = q_nope.shape
-    rope, block_size = q_pe.shape[2], kv_cache.shape[1]
+def _launch_plan(q_nope, kv_cache, max_seq_len, config: MLADecodeConfig, block_table):
+    """(block_h, num_warps, head_blocks, splits) of a launch."""
+    batch, heads, _ = q_nope.shape
     if max_seq_len is None:
-        max_seq_len = block_table.shape[1] * block_size
-    if out is None:
-        out = torch.empty_like(q_nope)
+        max_seq_len = block_table.shape[1] * kv_cache.shape[1]
     block_h = config.block_h or default_block_h(heads)
     num_warps = config.num_warps or (4 if block_h <= 16 else 8)  # the [block_h, R] fp32 accumulator lives in registers
     head_blocks = triton.cdiv(heads, block_h)
     splits = config.num_splits or choose_mla_splits(batch * head_blocks, block_h, config.block_n, max_seq_len,
                                                     num_sms(q_nope.device))
-    per_split = split_plan(max_seq_len, splits, config.block_n)
-    if splits > 1:
-        part_out = torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=q_nope.device)
-        part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_nope.device)
-    else:
-        part_out = part_lse = out  # unused
+    return block_h, num_warps, head_blocks, splits
+
+
+def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, out, part_out, part_lse,
+            is_split: bool):
+    block_h, num_warps, head_blocks, splits = plan
+    batch, heads, rank = q_nope.shape
     _mla_decode_kernel[(batch, head_blocks, splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1),
         q_pe, q_pe.stride(0), q_pe.stride(1),
@@ -176,13 +169,53 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
         block_table, block_table.stride(0), seq_lens,
         out, out.stride(0), out.stride(1),
         part_out, part_lse,
-        scale * LOG2E, per_split, splits, heads,
-        RANK=rank, ROPE=rope, BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
-        IS_SPLIT=splits > 1, num_warps=num_warps, num_stages=config.num_stages,
+        scale * LOG2E, splits, heads,
+        RANK=rank, ROPE=q_pe.shape[2], BLOCK_H=block_h, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=config.block_n,
+        IS_SPLIT=is_split, num_warps=num_warps, num_stages=config.num_stages,
     )
-    if splits > 1:
-        merge_splits(part_out, part_lse, out)
+
+
+def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         max_seq_len: int | None = None, config: MLADecodeConfig = MLADecodeConfig(),
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Absorbed MLA attention -> out [B, H, R] in latent space (see the module docstring).
+
+    max_seq_len (host int, an upper bound of seq_lens, e.g. max_model_len under a CUDA graph) only
+    sizes the number of splits; each sequence spreads its own length over them."""
+    _check(q_nope, q_pe, kv_cache, block_table, seq_lens)
+    if out is None:
+        out = torch.empty_like(q_nope)
+    plan = _launch_plan(q_nope, kv_cache, max_seq_len, config, block_table)
+    if plan[3] == 1:
+        _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, out, out, out, False)
+        return out
+    part_out, part_lse = _partials(q_nope, plan[3])
+    _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, out, part_out, part_lse, True)
+    merge_splits(part_out, part_lse, out)
     return out
+
+
+def _partials(q_nope: torch.Tensor, splits: int):
+    batch, heads, rank = q_nope.shape
+    return (torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=q_nope.device),
+            torch.empty(batch, heads, splits, dtype=torch.float32, device=q_nope.device))
+
+
+def mla_decode_split(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     max_seq_len: int | None = None, config: MLADecodeConfig = MLADecodeConfig()):
+    """The split-KV partial results, unmerged: (part_out [B, H, S, R], part_lse [B, H, S]) float32,
+    or None when the plan has a single split (then call mla_decode_attention). For a caller that
+    merges with its own epilogue (mla_absorb.mla_merge_uv folds W_UV into the merge)."""
+    _check(q_nope, q_pe, kv_cache, block_table, seq_lens)
+    plan = _launch_plan(q_nope, kv_cache, max_seq_len, config, block_table)
+    if plan[3] == 1:
+        return None
+    part_out, part_lse = _partials(q_nope, plan[3])
+    _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, part_out, part_out, part_lse,
+            True)
+    return part_out, part_lse
 
 
 def prefill_rows(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_plan
+from dsquant.runtime.kernels.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
 
 LOG2E = 1.4426950408889634
 
@@ -47,7 +47,7 @@ def _paged_decode_gqa_kernel(
     block_table_ptr, stride_bt, seq_lens_ptr,  # [B, max_blocks] int32, [B] int32
     out_ptr, stride_ob, stride_oh,  # out [B, Hq, D] (not IS_SPLIT)
     part_out_ptr, part_lse_ptr,  # [B, Hq, S, D], [B, Hq, S] float32 (IS_SPLIT)
-    scale_log2, tokens_per_split, num_splits, num_q_heads,
+    scale_log2, num_splits, num_q_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
 ):
@@ -55,8 +55,7 @@ def _paged_decode_gqa_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = split * tokens_per_split
-    end = tl.minimum(seq_len, start + tokens_per_split)
+    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -132,7 +131,6 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if out is None:
         out = torch.empty_like(query)
     splits = config.num_splits or choose_num_splits(batch * hkv, max_seq_len, 4 * config.block_n, num_sms(query.device))
-    per_split = split_plan(max_seq_len, splits, config.block_n)
     block_d = max(16, triton.next_power_of_2(dim))
     if splits > 1:
         part_out = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=query.device)
@@ -145,7 +143,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_table, block_table.stride(0), seq_lens,
         out, out.stride(0), out.stride(1),
         part_out, part_lse,
-        scale * LOG2E, per_split, splits, hq,
+        scale * LOG2E, splits, hq,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, IS_SPLIT=splits > 1,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -69,7 +69,12 @@ def choose_num_splits(programs: int, max_seq_len: int, min_tokens: int, sms: int
     return max(1, min(wanted, useful, max_splits))
 
 
-def split_plan(max_seq_len: int, num_splits: int, block_n: int) -> int:
-    """Tokens per split: a multiple of block_n covering max_seq_len in num_splits chunks."""
-    per = triton.cdiv(max(max_seq_len, 1), num_splits)
-    return triton.cdiv(per, block_n) * block_n
+@triton.jit
+def split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens [start, end) of `split` in a sequence of seq_len tokens: each sequence divides its own
+    length into num_splits chunks of a multiple of BLOCK_N tokens (the last ones may be empty).
+    Sized in the kernel, not from the launch's max_seq_len, so a launch captured in a CUDA graph
+    for max_model_len still spreads a short context over every split."""
+    per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per
+    return start, tl.minimum(seq_len, start + per)

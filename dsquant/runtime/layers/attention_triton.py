@@ -7,6 +7,9 @@ W_UK is folded into the query, the latent cache serves as key and value for all 
 is applied after attention; prefill uses the same kernel with one row per new token
 (mla_decode.prefill_rows). The absorbed W_UK [H, nope, R] and W_UV [H, v, R] are taken once from
 kv_b_proj's dense (dequantized) weight.
+`mla_fused` is the same attention from the projections' raw outputs in three launches
+(mla_absorb.py): mla_prepare (q rope, W_UK, kv_a RMSNorm, k rope, cache store), the split decode
+kernel, and mla_merge_uv (split merge and W_UV); the fused MLA module (layers/fused.py) calls it.
 """
 from __future__ import annotations
 
@@ -71,3 +74,29 @@ class TritonPagedAttention(PagedAttentionBase):
         latent_out = mla_decode_attention(q_abs, q_pe, kv_cache, block_tables, seq_lens, module.scaling,
                                           max_seq_len=ctx.max_seq_len)  # [T, H, R]
         return torch.einsum("thr,hvr->thv", latent_out, w_uv)[None]  # [1, T, H, v]
+
+    def mla_fused(self, module, q, latent, ctx: PagedContext):
+        """q [1, T, H, nope + rope] (q projection, rope part rotated in place), latent [1, T, R + rope]
+        (kv_a projection, before its RMSNorm) -> [1, T, H, v]."""
+        from dsquant.runtime.kernels.mla_absorb import mla_merge_uv, mla_prepare
+        from dsquant.runtime.kernels.mla_decode import mla_decode_attention, mla_decode_split, prefill_rows
+
+        (kv_cache,) = self.caches_of(module)
+        w_uk, w_uv = self._absorbed(module, q.dtype)
+        t, half = q.shape[1], module.qk_rope_head_dim // 2
+        norm = module.kv_a_layernorm
+        q_abs = mla_prepare(q[0], latent[0], norm.weight, norm.eps, ctx.cos.reshape(t, half),
+                            ctx.sin.reshape(t, half), w_uk, kv_cache, ctx.slot_mapping,
+                            module.rope_interleave)  # [T, H, R]
+        q_pe = q[0, :, :, module.qk_nope_head_dim:]  # [T, H, rope], rotated
+        if ctx.is_decode:
+            block_tables, seq_lens = ctx.block_tables, ctx.seq_lens
+        else:
+            block_tables, seq_lens = prefill_rows(ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, t)
+        parts = mla_decode_split(q_abs, q_pe, kv_cache, block_tables, seq_lens, module.scaling,
+                                 max_seq_len=ctx.max_seq_len)
+        if parts is not None:
+            return mla_merge_uv(*parts, w_uv)[None]  # [1, T, H, v]
+        latent_out = mla_decode_attention(q_abs, q_pe, kv_cache, block_tables, seq_lens, module.scaling,
+                                          max_seq_len=ctx.max_seq_len)  # [T, H, R]
+        return torch.einsum("thr,hvr->thv", latent_out, w_uv)[None]

@@ -10,7 +10,9 @@ Triton launch each; scripts/count_decode_ops.py counts them per layer.
                    output, no casts; else an fp32 copy of the weight made once), then softmax /
                    sigmoid, grouped top-k, normalisation and scaling in one moe_route.py launch.
   GatedMLP      -> TritonGatedMLP: silu(gate) * up in one activation.silu_mul launch.
-  MLAttention   -> TritonMLAttention: q_pe and k_pe rotated in place by one rope.py launch.
+  MLAttention   -> TritonMLAttention: with the Triton paged backend, norm + rope + cache store + W_UK in
+                   one launch and split merge + W_UV in another (attention_triton.mla_fused); with
+                   other backends q_pe and k_pe rotated in place by one rope.py launch.
 All keep the reference numerics up to fp32 rounding (sums rounded to the activation dtype, the
 normalised value and silu(gate) rounded as transformers rounds them) and fall back to the torch
 forward on CPU tensors unless TRITON_INTERPRET=1 (then the kernels run in the interpreter, as the
@@ -90,6 +92,12 @@ class TritonGatedMLP(GatedMLP):
 
 
 class TritonMLAttention(MLAttention):
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, ctx):
+        fused = getattr(self.backend, "mla_fused", None)  # the Triton paged backend's three-launch MLA
+        if fused is None or not runs_triton(q):
+            return super().attend(q, latent, ctx)
+        return fused(self, q, latent, ctx)  # [B, T, H, v]
+
     def rotate(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ctx):
         if not runs_triton(q_pe):
             return super().rotate(q_pe, k_pe, ctx)

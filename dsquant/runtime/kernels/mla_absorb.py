@@ -1,0 +1,185 @@
+"""The two launches around absorbed MLA attention (mla_decode.py): everything between the
+projections and the attention kernel in one, the split merge and W_UV in the other.
+
+`mla_prepare` (one launch) replaces the q rope, the kv_a RMSNorm, the k rope, the latent cache store
+and the W_UK absorption einsum:
+- q [T, H, nope + P]: the q projection's output (any token/head strides, unit last stride). Its rope
+  part q[..., nope:] is rotated in place; q_nope is read.
+- q_abs[t, h] = q_nope[t, h] @ W_UK[h]  -> q_abs [T, H, R] (q's dtype; fp32 accumulation, as the
+  einsum it replaces).
+- latent [T, R + P]: the kv_a projection's output. kv_cache[slot[t]] = [rms_norm(latent[t, :R]) *
+  norm_weight ; rope(latent[t, R:])] (slot -1: skipped). The norm rounds as runtime/kernels/rmsnorm.py
+  (normalised value rounded to the activation dtype before the weight multiply).
+- cos, sin [T, P/2] fp32, per token. Rope layouts as runtime/kernels/rope.py: "interleaved" input
+  pairs (2i, 2i+1) or "neox" pairs (i, i + P/2); the output is always de-interleaved (i, i + P/2).
+- w_uk [H, nope, R] contiguous; kv_cache [num_blocks, block_size, R + P] contiguous.
+Program (token block, p): p < H * R/BLOCK_R computes the q_abs tile of head p // (R/BLOCK_R) (and,
+for its first R tile, that head's q rope); the last program of each token block does the latent.
+
+`mla_merge_uv` (one launch) replaces the split-KV merge and the W_UV einsum:
+- part_out [T, H, S, R], part_lse [T, H, S] fp32 from mla_decode (split layout), w_uv [H, v, R]
+  -> out [T, H, v]: the merged latent output (rounded to out's dtype, as the merge wrote it) times
+  W_UV[h]^T, fp32 accumulation. Program (token block, head, v tile); a split with lse -inf (empty) is
+  not read.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsquant.errors import DsquantError
+
+
+@triton.jit
+def _rope_rows(src_ptr, dst_ptr, src_row, dst_row, mask, cos, sin,
+               HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Rotate rows (pointer offsets src_row/dst_row [BLOCK_T, 1]) of 2*HALF values; out de-interleaved."""
+    i = tl.arange(0, HALF)[None, :]  # [1, HALF]
+    if INTERLEAVED:
+        x1 = tl.load(src_ptr + src_row + 2 * i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src_ptr + src_row + 2 * i + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(src_ptr + src_row + i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src_ptr + src_row + i + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.debug_barrier()  # in place: every load lands before any store
+    tl.store(dst_ptr + dst_row + i, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_ptr + dst_row + i + HALF, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mla_prepare_kernel(
+    q_ptr, stride_qt, stride_qh,  # q [T, H, NOPE + ROPE]
+    w_uk_ptr,  # [H, NOPE, RANK]
+    q_abs_ptr,  # [T, H, RANK]
+    lat_ptr, stride_lt,  # latent [T, RANK + ROPE]
+    norm_w_ptr, eps,  # [RANK]
+    cos_ptr, sin_ptr, stride_cs,  # [T, ROPE / 2] fp32
+    cache_ptr, slot_ptr,  # kv_cache as [slots, RANK + ROPE], slot_mapping [T] int64
+    num_tokens, num_heads,
+    NOPE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr, INTERLEAVED: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    tmask = t < num_tokens
+    p = tl.program_id(1)
+    r_tiles: tl.constexpr = RANK // BLOCK_R
+    half: tl.constexpr = ROPE // 2
+    hi = tl.arange(0, half)[None, :]
+    cos = tl.load(cos_ptr + t[:, None] * stride_cs + hi, mask=tmask[:, None], other=0.0)  # [BLOCK_T, half]
+    sin = tl.load(sin_ptr + t[:, None] * stride_cs + hi, mask=tmask[:, None], other=0.0)
+    if p < num_heads * r_tiles:
+        h = p // r_tiles
+        r = (p % r_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+        n = tl.arange(0, NOPE)
+        q_row = t[:, None].to(tl.int64) * stride_qt + h * stride_qh  # [BLOCK_T, 1]
+        q_nope = tl.load(q_ptr + q_row + n[None, :], mask=tmask[:, None], other=0.0)  # [BLOCK_T, NOPE]
+        w = tl.load(w_uk_ptr + (h * NOPE + n[:, None]) * RANK + r[None, :])  # [NOPE, BLOCK_R]
+        acc = tl.dot(q_nope, w)  # [BLOCK_T, BLOCK_R] fp32
+        out_row = (t[:, None].to(tl.int64) * num_heads + h) * RANK
+        tl.store(q_abs_ptr + out_row + r[None, :], acc.to(q_abs_ptr.dtype.element_ty), mask=tmask[:, None])
+        if p % r_tiles == 0:
+            _rope_rows(q_ptr, q_ptr, q_row + NOPE, q_row + NOPE, tmask[:, None], cos, sin, half, INTERLEAVED)
+    else:
+        slot = tl.load(slot_ptr + t, mask=tmask, other=-1)  # [BLOCK_T]
+        keep = (slot >= 0)[:, None]
+        lat_row = t[:, None].to(tl.int64) * stride_lt
+        dst_row = slot[:, None] * (RANK + ROPE)
+        c = tl.arange(0, RANK)[None, :]
+        x = tl.load(lat_ptr + lat_row + c, mask=tmask[:, None], other=0.0).to(tl.float32)  # [BLOCK_T, RANK]
+        var = tl.sum(x * x, axis=1) / RANK
+        normed = (x * tl.rsqrt(var + eps)[:, None]).to(lat_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(norm_w_ptr + c).to(tl.float32)
+        normed = (normed * w).to(lat_ptr.dtype.element_ty)
+        tl.store(cache_ptr + dst_row + c, normed.to(cache_ptr.dtype.element_ty), mask=keep)
+        _rope_rows(lat_ptr, cache_ptr, lat_row + RANK, dst_row + RANK, keep, cos, sin, half, INTERLEAVED)
+
+
+def mla_prepare(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """q [T, H, nope + P] (rope part rotated in place), latent [T, R + P] -> q_abs [T, H, R];
+    stores the token's normed latent and rotated rope key in kv_cache (module docstring)."""
+    t, heads, width = q.shape
+    nope, rank = w_uk.shape[1], w_uk.shape[2]
+    rope = width - nope
+    if w_uk.shape[0] != heads or not w_uk.is_contiguous():
+        raise DsquantError(f"mla_prepare: w_uk must be contiguous [H={heads}, nope, R], got {tuple(w_uk.shape)}")
+    if latent.shape != (t, rank + rope) or latent.stride(-1) != 1 or q.stride(-1) != 1:
+        raise DsquantError(f"mla_prepare: latent must be [T={t}, R + P = {rank + rope}] and q [T, H, nope + P], "
+                           f"unit last strides; got {tuple(latent.shape)}, {tuple(q.shape)}")
+    if kv_cache.shape[-1] != rank + rope or not kv_cache.is_contiguous():
+        raise DsquantError(f"mla_prepare: kv_cache must be contiguous [blocks, block_size, {rank + rope}], "
+                           f"got {tuple(kv_cache.shape)}")
+    if cos.shape != (t, rope // 2) or cos.dtype != torch.float32 or sin.shape != cos.shape:
+        raise DsquantError(f"mla_prepare: cos/sin must be fp32 [T={t}, {rope // 2}], got {tuple(cos.shape)}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (t,):
+        raise DsquantError(f"mla_prepare: slot_mapping must be int64 [{t}], got {slot_mapping.dtype} "
+                           f"{tuple(slot_mapping.shape)}")
+    q_abs = torch.empty(t, heads, rank, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return q_abs
+    block_t = 16 if t <= 16 else 64
+    block_r = min(128, rank)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    grid = (triton.cdiv(t, block_t), heads * (rank // block_r) + 1)
+    _mla_prepare_kernel[grid](
+        q, q.stride(0), q.stride(1), w_uk, q_abs, latent, latent.stride(0), norm_weight, eps,
+        cos, sin, cos.stride(0), kv_cache, slot_mapping, t, heads,
+        NOPE=nope, RANK=rank, ROPE=rope, BLOCK_T=block_t, BLOCK_R=block_r, INTERLEAVED=interleaved,
+        num_warps=4 if block_t == 16 else 8)
+    return q_abs
+
+
+@triton.jit
+def _mla_merge_uv_kernel(
+    part_out_ptr, part_lse_ptr,  # [T, H, S, RANK], [T, H, S] fp32
+    w_uv_ptr,  # [H, V, RANK]
+    out_ptr, stride_ot, stride_oh,  # [T, H, V]
+    num_tokens, num_heads, num_splits, v_dim,
+    RANK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    tmask = t < num_tokens
+    h = tl.program_id(1)
+    v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    r = tl.arange(0, RANK)[None, :]
+    row = (t.to(tl.int64) * num_heads + h) * num_splits  # [BLOCK_T], first split of each row
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + row + s, mask=tmask, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_T, RANK], tl.float32)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    for s in range(num_splits):
+        lse = tl.load(part_lse_ptr + row + s, mask=tmask, other=float("-inf"))
+        w = tl.exp2(lse - m)  # 0 for an empty split
+        part = tl.load(part_out_ptr + (row + s)[:, None] * RANK + r, mask=(lse > float("-inf"))[:, None],
+                       other=0.0)  # [BLOCK_T, RANK]
+        acc += part * w[:, None]
+        total += w
+    latent = (acc / tl.where(total > 0, total, 1.0)[:, None]).to(w_uv_ptr.dtype.element_ty)
+    w_uv = tl.load(w_uv_ptr + (h * v_dim + v[:, None]) * RANK + r, mask=(v < v_dim)[:, None], other=0.0)
+    o = tl.dot(latent, tl.trans(w_uv))  # [BLOCK_T, BLOCK_V] fp32
+    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + h * stride_oh + v[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & (v < v_dim)[None, :])
+
+
+def mla_merge_uv(part_out: torch.Tensor, part_lse: torch.Tensor, w_uv: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """part_out [T, H, S, R], part_lse [T, H, S] fp32 (contiguous), w_uv [H, v, R] -> out [T, H, v]."""
+    t, heads, splits, rank = part_out.shape
+    v_dim = w_uv.shape[1]
+    if part_lse.shape != (t, heads, splits) or w_uv.shape != (heads, v_dim, rank) or not w_uv.is_contiguous():
+        raise DsquantError(f"mla_merge_uv: expected part_lse [{t}, {heads}, {splits}] and contiguous w_uv "
+                           f"[{heads}, v, {rank}], got {tuple(part_lse.shape)}, {tuple(w_uv.shape)}")
+    if out is None:
+        out = torch.empty(t, heads, v_dim, dtype=w_uv.dtype, device=part_out.device)
+    if t:
+        block_t = 16 if t <= 16 else 32
+        block_v = 32 if t <= 16 else 64
+        grid = (triton.cdiv(t, block_t), heads, triton.cdiv(v_dim, block_v))
+        _mla_merge_uv_kernel[grid](part_out, part_lse, w_uv, out, out.stride(0), out.stride(1),
+                                   t, heads, splits, v_dim, RANK=rank, BLOCK_T=block_t, BLOCK_V=block_v,
+                                   num_warps=4)
+    return out
