@@ -74,8 +74,8 @@ def _mla_prepare_kernel(
         n = tl.arange(0, NOPE)
         q_row = t[:, None].to(tl.int64) * stride_qt + h * stride_qh  # [BLOCK_T, 1]
         q_nope = tl.load(q_ptr + q_row + n[None, :], mask=tmask[:, None], other=0.0)  # [BLOCK_T, NOPE]
-        w = tl.load(w_uk_ptr + (h * NOPE + n[:, None]) * RANK + r[None, :])  # [NOPE, BLOCK_R]
-        acc = tl.dot(q_nope, w)  # [BLOCK_T, BLOCK_R] fp32
+        w_uk = tl.load(w_uk_ptr + (h * NOPE + n[:, None]) * RANK + r[None, :])  # [NOPE, BLOCK_R]
+        acc = tl.dot(q_nope, w_uk)  # [BLOCK_T, BLOCK_R] fp32
         out_row = (t[:, None].to(tl.int64) * num_heads + h) * RANK
         tl.store(q_abs_ptr + out_row + r[None, :], acc.to(q_abs_ptr.dtype.element_ty), mask=tmask[:, None])
         if p % r_tiles == 0:
@@ -89,8 +89,8 @@ def _mla_prepare_kernel(
         x = tl.load(lat_ptr + lat_row + c, mask=tmask[:, None], other=0.0).to(tl.float32)  # [BLOCK_T, RANK]
         var = tl.sum(x * x, axis=1) / RANK
         normed = (x * tl.rsqrt(var + eps)[:, None]).to(lat_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(norm_w_ptr + c).to(tl.float32)
-        normed = (normed * w).to(lat_ptr.dtype.element_ty)
+        gamma = tl.load(norm_w_ptr + c).to(tl.float32)
+        normed = (normed * gamma).to(lat_ptr.dtype.element_ty)
         tl.store(cache_ptr + dst_row + c, normed.to(cache_ptr.dtype.element_ty), mask=keep)
         _rope_rows(lat_ptr, cache_ptr, lat_row + RANK, dst_row + RANK, keep, cos, sin, half, INTERLEAVED)
 
