@@ -1,14 +1,21 @@
 """CUDA graphs for decode steps, one per bucketed batch size (1, 2, 4, 8, then steps of 8).
 
-Static buffers hold the step's inputs; a batch of n decodes is padded to the next bucket with
-rows that store nothing (slot -1) and attend to nothing (seq_len 0, so the kernels write zeros).
-The attention kernels are launched with max_seq_len = max_model_len so one capture serves
-every context length. Logits of the first n rows are returned; sampling runs outside the graph.
+The static inputs are views of one packed int64 buffer, laid out for max_batch rows:
+    input_ids [b] int64 | positions [b] int64 | slot_mapping [b] int64 | seq_lens [b] int32
+followed by the block-table staging area ([n, W] int32, this step's width W) and the step's
+sampling fields. A step's host values go straight into it in one host -> device copy
+(PackedCopy.pack with out=packed), and one device copy moves the staged block table into the
+static block_tables [b, max_blocks]. A batch of n decodes is padded to the next bucket with rows
+that store nothing (slot -1) and attend to nothing (seq_len 0, so the kernels write zeros). Rope
+cos/sin are computed inside the graph from the static positions. The attention kernels are
+launched with max_seq_len = max_model_len so one capture serves every context length. Logits of
+the first n rows are returned; sampling runs outside the graph.
 """
 from __future__ import annotations
 
 import torch
 
+from dsquant.runtime.engine.packed_copy import PackedCopy, layout, views
 from dsquant.runtime.layers.attention import PagedContext
 
 
@@ -22,16 +29,19 @@ class DecodeGraphs:
     def __init__(self, runner, max_batch: int):
         self.runner = runner
         self.sizes = bucket_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
+        self.max_batch = b = self.sizes[-1]
+        self.bucket = {n: next(s for s in self.sizes if s >= n) for n in range(1, b + 1)}
         c, dev = runner.config, runner.config.device
-        max_blocks = -(-c.max_model_len // c.block_size)
-        b = self.max_batch
-        self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
-        self.cu_seqlens_q = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self.max_blocks = -(-c.max_model_len // c.block_size)
+        i64, i32 = torch.int64, torch.int32
+        self.fields = [(b, i64), (b, i64), (b, i64), (b, i32)]
+        # room for the fixed fields, a full block table and sampling fields of b rows
+        _, total = layout(self.fields + [(b * self.max_blocks, i32), (b, torch.float32), (b, torch.float32), (b, i32)])
+        self.packed = torch.zeros(total, dtype=i64, device=dev)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = views(self.packed, self.fields)
+        self.slot_mapping.fill_(-1)
+        self.block_tables = torch.zeros(b, self.max_blocks, dtype=i32, device=dev)
+        self.cu_seqlens_q = torch.arange(b + 1, dtype=i32, device=dev)
         self.rows = torch.arange(b, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -58,20 +68,20 @@ class DecodeGraphs:
             self.graphs[n] = graph
         torch.cuda.synchronize()
 
-    def can_run(self, inputs) -> bool:
-        n = inputs.input_ids.shape[0]
-        return inputs.ctx.is_decode and n <= self.max_batch and len(inputs.sampling_seqs) == n
+    def stage(self, packer: PackedCopy, input_ids: list[int], positions: list[int], slots: list[int],
+              seq_lens: list[int], table: list[int], width: int, extra: list) -> list[torch.Tensor]:
+        """Copy n decodes' inputs (table: [n, width] row-major) into the static buffers; return the
+        device views of the `extra` fields (values, dtype) that rode along in the same copy."""
+        n, pad = len(input_ids), self.max_batch - len(input_ids)
+        i64, i32 = torch.int64, torch.int32
+        out = packer.pack([(input_ids + [0] * pad, i64), (positions + [0] * pad, i64),
+                           (slots + [-1] * pad, i64), (seq_lens + [0] * pad, i32), (table, i32)] + extra,
+                          out=self.packed)
+        self.block_tables[:n, :width].copy_(out[4].view(n, width))
+        return out[5:]
 
-    def run(self, inputs) -> torch.Tensor:
-        n = inputs.input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= n)
-        ctx = inputs.ctx
-        self.input_ids[:n].copy_(inputs.input_ids)
-        self.positions[:n].copy_(inputs.positions)
-        self.slot_mapping.fill_(-1)
-        self.slot_mapping[:n].copy_(ctx.slot_mapping)
-        self.seq_lens.zero_()
-        self.seq_lens[:n].copy_(ctx.seq_lens)
-        self.block_tables[:n, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
+    def replay(self, n: int) -> torch.Tensor:
+        """Run the bucket graph for n staged decodes -> logits [n, vocab]."""
+        size = self.bucket[n]
         self.graphs[size].replay()
         return self.outputs[size][:n]

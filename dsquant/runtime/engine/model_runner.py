@@ -5,8 +5,9 @@ input_ids [T], positions [T], slot_mapping [T] (where each new token's K/V go), 
 [B, max_blocks], seq_lens [B] (cached + new), cu_seqlens_q [B + 1]; logits are computed only for
 the last new token of each sequence that samples this step (a prefill chunk short of the end of
 the prompt samples nothing), plus every prompt position of a sequence that asked for
-prompt_logprobs. On CUDA, pure-decode batches replay captured CUDA graphs
-(cuda_graph.py) unless enforce_eager.
+prompt_logprobs. All of these and the sampling parameters reach the device in one host -> device
+copy (packed_copy.py). On CUDA, pure-decode batches replay captured CUDA graphs (cuda_graph.py)
+unless enforce_eager; their inputs are copied straight into the graphs' static buffers.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsquant.runtime.engine.packed_copy import PackedCopy
 from dsquant.runtime.engine.sampler import SamplingTensors, sample
 from dsquant.runtime.engine.scheduler import ScheduledBatch
 from dsquant.runtime.layers.attention import PagedContext, allocate_kv_caches, kv_bytes_per_block
@@ -37,11 +39,13 @@ class RunnerConfig:
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    ctx: PagedContext
+    ctx: PagedContext | None  # None when the decode CUDA graph runs (it has its own)
     logits_indices: torch.Tensor  # [S] int64, rows of T whose logits are sampled
     sampling_seqs: list  # the S sequences that sample, in order
     # prompt_logprobs: (seq, first position, count); their logits rows follow the S sampled ones
     prompt_spans: list = field(default_factory=list)
+    sampling: SamplingTensors | None = None  # the sampling rows' parameters, on the device
+    graph: bool = False  # inputs are staged in the decode CUDA graphs' static buffers
 
 
 class ModelRunner:
@@ -52,6 +56,7 @@ class ModelRunner:
         self.kv_caches: list[tuple] = []
         self.graphs = None
         self.generator = torch.Generator(device=config.device).manual_seed(seed)
+        self.packed = PackedCopy(config.device)  # the step's one host -> device copy
 
     # ------------------------------------------------------------------ KV cache
     def bytes_per_block(self) -> int:
@@ -106,20 +111,28 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def _context(self, positions, slot_mapping, block_tables, q_lens, seq_lens) -> PagedContext:
+        """The context from host lists q_lens / seq_lens (torch.tensor each: off the step path)."""
         device = self.config.device
-        cos, sin = self.model.rope_cos_sin(positions[None])  # [1, T, rot/2]
         cu = [0]
         for n in q_lens:
             cu.append(cu[-1] + n)
+        return self._paged_context(positions, slot_mapping, block_tables,
+                                   torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                   torch.tensor(cu, dtype=torch.int32, device=device), q_lens, seq_lens)
+
+    def _paged_context(self, positions, slot_mapping, block_tables, seq_lens_t, cu_seqlens_q,
+                       q_lens: list[int], seq_lens: list[int]) -> PagedContext:
+        cos, sin = self.model.rope_cos_sin(positions[None])  # [1, T, rot/2]
         return PagedContext(
-            cos=cos, sin=sin, slot_mapping=slot_mapping, block_tables=block_tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            max_q_len=max(q_lens), max_seq_len=max(seq_lens), is_decode=all(n == 1 for n in q_lens),
-            q_lens_host=list(q_lens), seq_lens_host=list(seq_lens))
+            cos=cos, sin=sin, slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens_t,
+            cu_seqlens_q=cu_seqlens_q, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
+            is_decode=all(n == 1 for n in q_lens), q_lens_host=list(q_lens), seq_lens_host=list(seq_lens))
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        bs, device = self.config.block_size, self.config.device
+        """The step's inputs on the device, in one host -> device copy (packed_copy.py); a decode
+        batch the CUDA graphs take is written straight into their static buffers, with no rope
+        cos/sin here (the graph computes them)."""
+        bs = self.config.block_size
         input_ids, positions, slots, q_lens, seq_lens, rows = [], [], [], [], [], []
         sampling, samples, spans, span_rows = [], batch.samples(), [], []
         for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, samples):
@@ -129,21 +142,44 @@ class ModelRunner:
             if seq.prompt_logprobs is not None and count > 0:
                 spans.append((seq, start, count))
                 span_rows += range(len(input_ids), len(input_ids) + count)
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            table = seq.block_table
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids += seq.token_ids[start:start + n]
+                positions += range(start, start + n)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             q_lens.append(n)
             seq_lens.append(start + n)
             if samp:
                 rows.append(len(input_ids) - 1)
                 sampling.append(seq)
         width = max(len(s.block_table) for s in batch.seqs)
-        table = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-        pos = torch.tensor(positions, dtype=torch.int64, device=device)
-        ctx = self._context(pos, torch.tensor(slots, dtype=torch.int64, device=device),
-                            torch.tensor(table, dtype=torch.int32, device=device), q_lens, seq_lens)
-        return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=device), pos, ctx,
-                          torch.tensor(rows + span_rows, dtype=torch.int64, device=device), sampling, spans)
+        table = []
+        for s in batch.seqs:
+            table += s.block_table
+            if len(s.block_table) < width:
+                table += [0] * (width - len(s.block_table))
+        vocab = self.cfg.vocab_size
+        sampling_fields = SamplingTensors.host_fields(sampling, vocab)
+        n_tokens, g = len(input_ids), self.graphs
+        if (g is not None and not spans and n_tokens == len(batch.seqs) == len(sampling)
+                and n_tokens <= g.max_batch):
+            samp = g.stage(self.packed, input_ids, positions, slots, seq_lens, table, width, sampling_fields)
+            return StepInputs(g.input_ids[:n_tokens], g.positions[:n_tokens], None, g.rows[:n_tokens], sampling,
+                              sampling=SamplingTensors.build(sampling, vocab, samp), graph=True)
+        i64, i32 = torch.int64, torch.int32
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        ids_t, pos_t, slots_t, rows_t, seq_lens_t, cu_t, table_t, *samp = self.packed.pack(
+            [(input_ids, i64), (positions, i64), (slots, i64), (rows + span_rows, i64),
+             (seq_lens, i32), (cu, i32), (table, i32)] + sampling_fields)
+        ctx = self._paged_context(pos_t, slots_t, table_t.view(len(batch.seqs), width), seq_lens_t, cu_t,
+                                  q_lens, seq_lens)
+        return StepInputs(ids_t, pos_t, ctx, rows_t, sampling, spans, SamplingTensors.build(sampling, vocab, samp))
 
     def _forward(self, input_ids, positions, ctx, logits_indices) -> torch.Tensor:
         hidden = self.model.embed(input_ids[None])  # [1, T, hidden]
@@ -155,8 +191,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run one step; return the new token of each sampling sequence, in batch order."""
         inputs = self.prepare(batch)
-        if self.graphs is not None and not inputs.prompt_spans and self.graphs.can_run(inputs):
-            logits = self.graphs.run(inputs)
+        if inputs.graph:
+            logits = self.graphs.replay(inputs.input_ids.shape[0])
         else:
             logits = self._forward(inputs.input_ids, inputs.positions, inputs.ctx, inputs.logits_indices)
         n_sample = len(inputs.sampling_seqs)
@@ -165,8 +201,7 @@ class ModelRunner:
         if not inputs.sampling_seqs:
             return []
         logits = logits[:n_sample]
-        t = SamplingTensors.from_seqs(inputs.sampling_seqs, logits.shape[-1], self.config.device)
-        tokens = sample(logits, t, self.generator)
+        tokens = sample(logits, inputs.sampling, self.generator)
         want = [i for i, s in enumerate(inputs.sampling_seqs) if s.logprobs is not None]
         if want:
             rows = torch.tensor(want, device=logits.device)

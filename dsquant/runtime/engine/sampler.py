@@ -7,6 +7,7 @@ torch.Generator, so its tokens do not depend on what else is in the batch.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,26 +17,39 @@ from dsquant.runtime.engine.sequence import Sequence
 
 @dataclass
 class SamplingTensors:
-    temperature: torch.Tensor  # [S] fp32 (0: greedy)
-    top_p: torch.Tensor  # [S] fp32
-    top_k: torch.Tensor  # [S] int64 (vocab: off)
     any_random: bool
     any_top_p: bool
     any_top_k: bool
     generators: list  # per row: torch.Generator or None
+    # None when every row is greedy (nothing on the device is needed then)
+    temperature: torch.Tensor | None = None  # [S] fp32 (0: greedy)
+    top_p: torch.Tensor | None = None  # [S] fp32
+    top_k: torch.Tensor | None = None  # [S] int32 (vocab: off)
+
+    @staticmethod
+    def host_fields(seqs: list[Sequence], vocab: int) -> list[tuple[list, torch.dtype]]:
+        """(values, dtype) of temperature, top_p, top_k for the rows of seqs; [] when all greedy."""
+        ps = [s.params for s in seqs]
+        if all(p.greedy for p in ps):
+            return []
+        return [([p.temperature for p in ps], torch.float32), ([p.top_p for p in ps], torch.float32),
+                ([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], torch.int32)]
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], vocab: int, tensors: list[torch.Tensor]) -> "SamplingTensors":
+        """From the device tensors of host_fields(seqs, vocab), in that order (none: all greedy)."""
+        ps = [s.params for s in seqs]
+        t = cls(any_random=bool(tensors), any_top_p=any(p.top_p < 1 and not p.greedy for p in ps),
+                any_top_k=any(0 < p.top_k < vocab and not p.greedy for p in ps),
+                generators=[s.generator for s in seqs])
+        if tensors:
+            t.temperature, t.top_p, t.top_k = tensors
+        return t
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab: int, device) -> "SamplingTensors":
-        ps = [s.params for s in seqs]
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
-        return cls(
-            temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            any_random=any(not p.greedy for p in ps),
-            any_top_p=any(p.top_p < 1 and not p.greedy for p in ps),
-            any_top_k=any(k < vocab for k, p in zip(top_k, ps) if not p.greedy),
-            generators=[s.generator for s in seqs])
+        fields = cls.host_fields(seqs, vocab)
+        return cls.build(seqs, vocab, [torch.tensor(v, dtype=d, device=device) for v, d in fields])
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -52,12 +66,24 @@ def _apply_top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] -> argmax [S] int64: the Triton two-stage argmax on CUDA (and under
+    TRITON_INTERPRET for fp16/fp32, whose interpreter handles bf16 badly), else torch.argmax in fp32
+    (the CPU's bf16 argmax is several times slower than converting first)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1" and logits.dtype != torch.bfloat16
+    if logits.is_cuda or interpret:
+        from dsquant.runtime.kernels.argmax import argmax
+
+        return argmax(logits)
+    return logits.to(torch.float32).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors, default_generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [S, V] -> token ids [S] int64 (on the logits' device)."""
-    logits = logits.to(torch.float32)
-    greedy = logits.argmax(dim=-1)  # [S]
     if not t.any_random:
-        return greedy
+        return greedy_argmax(logits)  # [S]
+    logits = logits.to(torch.float32)
+    greedy = greedy_argmax(logits)  # [S]
     temp = torch.where(t.temperature > 0, t.temperature, torch.ones_like(t.temperature))
     scaled = logits / temp[:, None]
     if t.any_top_k or t.any_top_p:

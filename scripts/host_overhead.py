@@ -1,0 +1,110 @@
+"""Host time per engine decode step, with the model forward replaced by a stub (CPU).
+
+PYTHONPATH=. python scripts/host_overhead.py [--batch 1 8] [--steps 200] [--vocab 102400]
+
+Builds the engine on a V2-Lite-shaped config shrunk to one tiny layer (vocab kept), then swaps
+ModelRunner._forward for a stub that returns fixed random bf16 logits, so a step's time is the
+engine's own host work: scheduler, block manager, runner.prepare, graph-less dispatch, sampling
+setup, detokenizer. Sampling itself (argmax / softmax over the vocabulary) still runs, on the CPU,
+where on a GPU it would be device work; `--vocab 256` shrinks it out of the way. Prints the median
+and p90 of engine.step() per decode step, greedy and temperature 1, per batch size, and per step
+the aten ops dispatched and the torch.tensor(...) calls made (on a GPU each op is a launch or a
+copy, and each torch.tensor(..., device=cuda) a synchronizing host -> device copy).
+"""
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsquant.bench.random_model import V2_LITE, RandomCheckpointReader, make_config_dir
+from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
+from dsquant.runtime.engine.sequence import SamplingParams
+
+TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+            v_head_dim=16, first_k_dense_replace=1, max_position_embeddings=4096)
+
+
+def stub_forward(runner, vocab: int, seed: int = 0):
+    """Replace runner._forward: logits [S, vocab] bf16, fixed per row count (no model work)."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(256, vocab, generator=g).to(torch.bfloat16)  # [256, V]
+
+    def forward(input_ids, positions, ctx, logits_indices):
+        return table[:logits_indices.shape[0]]  # [S, V]
+
+    runner._forward = forward
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_step(engine) -> tuple[int, int]:
+    """(aten ops, torch.tensor calls) of one engine.step()."""
+    calls, make = [0], torch.tensor
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return make(*a, **k)
+
+    torch.tensor = counted
+    try:
+        with CountOps() as mode:
+            engine.step()
+    finally:
+        torch.tensor = make
+    return mode.ops, calls[0]
+
+
+def time_decode(engine, batch: int, steps: int, params: SamplingParams) -> list[float]:
+    g = torch.Generator().manual_seed(batch)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, 30000, (100,), generator=g).tolist(), params)
+    engine.step()  # the prefill(s)
+    engine.step()
+    counts = count_step(engine)
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return times[5:steps], counts  # skip warm-up; the tail as requests finish together is kept short
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--vocab", type=int, default=V2_LITE["vocab_size"])
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_config_dir(Path(tmp) / "m", V2_LITE, "bf16", **TINY, vocab_size=args.vocab)
+        engine = LLMEngine(path, EngineConfig(device="cpu", kernels=False, verify_checksums=False,
+                                              max_model_len=1024, num_blocks=1024),
+                           reader=RandomCheckpointReader(path))
+        stub_forward(engine.runner, args.vocab)
+        for batch in args.batch:
+            for name, temp in (("greedy", 0.0), ("temperature 1", 1.0)):
+                params = SamplingParams(max_tokens=args.steps + 8, temperature=temp, ignore_eos=True)
+                t, (ops, tensors) = time_decode(engine, batch, args.steps, params)
+                us = sorted(x * 1e6 for x in t)
+                print(f"batch {batch:3d} {name:14s} step median {statistics.median(us):8.1f} us  "
+                      f"p90 {us[int(0.9 * len(us))]:8.1f} us  aten ops {ops:3d}  torch.tensor {tensors:2d}")
+
+
+if __name__ == "__main__":
+    main()
