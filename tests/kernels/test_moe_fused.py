@@ -91,9 +91,26 @@ def test_shared_experts_both_ways(device):
     s13, s2 = split_shared_experts(gate_up, down, 2)
     both = MoeWeights(bf16_experts(torch.cat([weights.w13.weight, s13])),
                       bf16_experts(torch.cat([weights.w2.weight, s2])))
-    out = fused_moe(hidden, both, *with_shared_experts(tw, ids, E, 2))
+    out = fused_moe(hidden, both, *with_shared_experts(tw, ids, E, 2), n_shared=2)
     err = rel_err(out, moe_experts_reference(hidden, d13, d2, tw, ids) + shared)
     assert torch.isfinite(out).all() and err < 4e-3, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4-g128", "fp8"])
+@pytest.mark.parametrize("t", [1, 9])
+def test_residual_and_shared_output_added_in_the_sum(fmt, t, device):
+    """fused_moe(..., shared_output, residual) = residual + (experts + shared_output), the adds
+    done by the sum launch (T = 1 takes the INT4 GEMV path, T = 9 the grouped GEMMs)."""
+    weights, d13, d2 = make_experts(fmt, E, H, I, torch.float16, device)
+    hidden = torch.randn(t, H, dtype=torch.float16, device=device)
+    shared, residual = torch.randn(2, t, H, dtype=torch.float16, device=device)
+    tw, ids = random_topk(t, E, 2, device)
+    plain = fused_moe(hidden, weights, tw, ids)
+    out = fused_moe(hidden, weights, tw, ids, shared_output=shared, residual=residual)
+    torch.testing.assert_close(out, residual + (plain + shared))
+    err = rel_err(out - residual, moe_experts_reference(hidden, d13, d2, tw, ids, fp8_acts=fmt == "fp8")
+                  + shared.double())
+    assert err < _tol(fmt, hidden.dtype), f"{fmt}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -1,17 +1,17 @@
-"""layers/fused.py: each re-classed module (routing kernel, SiLU-and-mul, MLA rope in place) gives
-its reference module's output on the same weights and fresh random inputs. On CPU the kernels run
+"""layers/fused.py: each re-classed module (routing kernel, SiLU-and-mul, MLA rope in place, MoE
+sum with the residual add) gives its reference module's output on the same weights and fresh random inputs. On CPU the kernels run
 under the Triton interpreter in fp32; the gpu variant runs bf16 on CUDA."""
 import pytest
 import torch
 
 from dsquant.models.attention import MLAttention
 from dsquant.models.layers import GatedMLP
-from dsquant.models.moe import Router
+from dsquant.models.moe import MoE, Router
 from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.layers.attention import PagedContext
-from dsquant.runtime.layers.fused import TritonGatedMLP, TritonMLAttention, TritonRouter
+from dsquant.runtime.layers.fused import TritonGatedMLP, TritonMLAttention, TritonMoE, TritonRouter
 
-ORIGINAL = {TritonRouter: Router, TritonGatedMLP: GatedMLP, TritonMLAttention: MLAttention}
+ORIGINAL = {TritonRouter: Router, TritonGatedMLP: GatedMLP, TritonMLAttention: MLAttention, TritonMoE: MoE}
 
 
 class _Capture:
@@ -43,6 +43,11 @@ def _check_layer(model, dtype, device, t=5):
                                rtol=1e-3 if dtype != torch.float32 else 2e-6, atol=1e-6)
     x = torch.randn(1, t, model.config.hidden_size, dtype=dtype, device=device)
     torch.testing.assert_close(shared(x), _reference(shared, x))
+    moe, residual = layer.mlp, torch.randn_like(x)
+    assert type(moe) is TritonMoE and moe.adds_residual()
+    ref = _reference(moe, x)  # the experts' sum, then + shared and + residual as separate adds
+    torch.testing.assert_close(moe(x), ref)
+    torch.testing.assert_close(moe(x, residual=residual), residual + ref)
     positions = torch.randint(0, 200, (1, t), device=device)
     cos, sin = model.rope_cos_sin(positions)  # [1, T, rope/2]
     ctx = PagedContext(cos=cos, sin=sin, slot_mapping=None, block_tables=None, seq_lens=None, cu_seqlens_q=None)

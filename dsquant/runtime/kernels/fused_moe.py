@@ -1,16 +1,19 @@
-"""Fused MoE experts: align pairs by expert, gate/up GEMM with SiLU-and-mul, down GEMM with the
-routing weights, top-k sum, shared experts added.
+"""Fused MoE experts: align pairs by expert, gate/up GEMM with SiLU-and-mul, down GEMM, then the
+weighted top-k sum with shared experts and the residual in one moe_sum launch.
 
-    hidden [T, H], topk_weights fp32 [T, k], topk_ids [T, k]  ->  out [T, H]
+    hidden [T, H], topk_weights fp32 [T, P], topk_ids [T, P]  ->  out [T, H]
     out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]
-             (+ shared_output[t])
+             (+ shared experts) (+ residual[t])
 Weights (MoeWeights): w13 = gate rows [0, I) then up rows [I, 2I) of each expert, n = 2I, k = H;
 w2 n = H, k = I; both GroupedWeight of one format ("bf16", "int4", "fp8"; see moe_gemm).
+The down GEMM writes each pair's unweighted output rounded to the activation dtype (as the reference
+expert MLP rounds it); moe_sum weights and sums them in fp32 (see its rounding order).
 Shared experts, either way:
-- pass shared_output [T, H] (computed by the caller's dense MLP) and it is added at the end; or
+- pass shared_output [T, H] (computed by the caller's dense MLP) and moe_sum adds it; or
 - run them inside the grouped GEMMs as extra always-selected experts: stack them after the routed
   experts (split_shared_experts cuts an MLP of intermediate n*I into n experts of width I, exact
-  because SiLU-and-mul is elementwise) and extend the routing with with_shared_experts (weight 1).
+  because SiLU-and-mul is elementwise), append them to the routing (with_shared_experts, or
+  moe_route's n_shared) and pass n_shared: the last n_shared of the P columns.
 Block sizes are picked by a heuristic from the pairs per expert (never tuned at run time).
 INT4 experts with at most MOE_GEMV_MAX_PAIRS (token, expert) pairs (decode) skip the alignment
 and run moe_gemv's per-pair GEMVs instead of the grouped MMA GEMMs.
@@ -26,6 +29,7 @@ from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8
 from dsquant.runtime.kernels.moe_align import moe_align_block_size
 from dsquant.runtime.kernels.moe_gemm import GemmConfig, GroupedWeight, moe_gemm
 from dsquant.runtime.kernels.moe_gemv import MOE_GEMV_MAX_PAIRS, moe_gemv_int4
+from dsquant.runtime.kernels.moe_sum import moe_sum
 
 
 @dataclass
@@ -110,45 +114,44 @@ def pick_configs(num_pairs: int, num_experts: int, fmt: str, group_size: int = 0
 
 def fused_moe(hidden: torch.Tensor, weights: MoeWeights, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, shared_output: torch.Tensor | None = None,
-              configs: tuple[GemmConfig, GemmConfig] | None = None) -> torch.Tensor:
-    """hidden [T, H], topk_weights [T, k], topk_ids [T, k] -> [T, H] (see module docstring)."""
+              configs: tuple[GemmConfig, GemmConfig] | None = None, residual: torch.Tensor | None = None,
+              n_shared: int = 0) -> torch.Tensor:
+    """hidden [T, H], topk_weights [T, P], topk_ids [T, P] (the last n_shared columns folded shared
+    experts), shared_output / residual [T, H] or None -> [T, H] (see module docstring)."""
     t, h = hidden.shape
     if h != weights.w13.k:
         raise ValueError(f"hidden size {h} differs from the experts' {weights.w13.k}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != t:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be [T={t}, top_k]")
+    pieces = expert_outputs(hidden, weights, topk_ids, configs)  # [T, P, H]
+    return moe_sum(pieces, topk_weights.float(), n_shared, shared_output, residual)
+
+
+def expert_outputs(hidden: torch.Tensor, weights: MoeWeights, topk_ids: torch.Tensor,
+                   configs: tuple[GemmConfig, GemmConfig] | None = None) -> torch.Tensor:
+    """hidden [T, H], topk_ids [T, P] -> unweighted expert outputs [T, P, H] in hidden's dtype:
+    out[t, j] = down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]."""
+    t, h = hidden.shape
     top_k = topk_ids.shape[1]
     fmt = weights.w13.format
-    if fmt == "int4" and configs is None and 0 < t * top_k <= MOE_GEMV_MAX_PAIRS:
-        return _fused_moe_gemv(hidden, weights, topk_weights, topk_ids, shared_output)
-    cfg13, cfg2 = configs or pick_configs(t * top_k, weights.num_experts, fmt, weights.w13.group_size,
-                                          weights.w13.n // 2, weights.w2.n)
-    align = moe_align_block_size(topk_ids, weights.num_experts, cfg13.block_m)
     inter = weights.w13.n // 2
-    act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
-    out = torch.empty(t * top_k, h, dtype=hidden.dtype, device=hidden.device)  # [T*k, H]
+    act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*P, I]
+    out = torch.empty(t * top_k, h, dtype=hidden.dtype, device=hidden.device)  # [T*P, H]
+    if fmt == "int4" and configs is None and 0 < t * top_k <= MOE_GEMV_MAX_PAIRS:
+        # decode-sized INT4: per-pair GEMVs, no alignment; bench moe --sweep int4 on the H200:
+        # (block_n 16, 2 warps) fastest for both projections
+        ids = topk_ids.contiguous()
+        moe_gemv_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=16, num_warps=2)
+        moe_gemv_int4(act, weights.w2, ids, out, a_row_div=1, gated=False, block_n=16, num_warps=2)
+        return out.view(t, top_k, h)
+    cfg13, cfg2 = configs or pick_configs(t * top_k, weights.num_experts, fmt, weights.w13.group_size,
+                                          inter, weights.w2.n)
+    align = moe_align_block_size(topk_ids, weights.num_experts, cfg13.block_m)
     upcast = os.environ.get("TRITON_INTERPRET") == "1"
     a, a_scale = quantize_act_fp8(hidden) if fmt == "fp8" else (hidden, None)
     moe_gemm(a, weights.w13, align, act, cfg13, a_row_div=top_k, gated=True, a_scale=a_scale,
              fp8_upcast=upcast)
     a, a_scale = quantize_act_fp8(act) if fmt == "fp8" else (act, None)
-    moe_gemm(a, weights.w2, align, out, cfg2, a_row_div=1, gated=False,
-             topk_weights=topk_weights.float(), a_scale=a_scale, fp8_upcast=upcast)
-    result = out.view(t, top_k, h).sum(dim=1)  # [T, H]
-    return result if shared_output is None else result + shared_output
-
-
-def _fused_moe_gemv(hidden, weights: MoeWeights, topk_weights, topk_ids, shared_output):
-    """Decode-sized INT4 MoE: per-pair GEMVs (moe_gemv.py), same outputs as the grouped path."""
-    t, h = hidden.shape
-    top_k = topk_ids.shape[1]
-    inter = weights.w13.n // 2
-    ids = topk_ids.contiguous()
-    act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
-    out = torch.empty(t * top_k, h, dtype=hidden.dtype, device=hidden.device)  # [T*k, H]
-    moe_gemv_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=16, num_warps=2)
-    moe_gemv_int4(act, weights.w2, ids, out, a_row_div=1, gated=False, topk_weights=topk_weights,
-                  block_n=16, num_warps=2)  # bench moe --sweep int4 on the H200: (16, 2) fastest for both
-    result = out.view(t, top_k, h).sum(dim=1)  # [T, H]
-    return result if shared_output is None else result + shared_output
+    moe_gemm(a, weights.w2, align, out, cfg2, a_row_div=1, gated=False, a_scale=a_scale, fp8_upcast=upcast)
+    return out.view(t, top_k, h)

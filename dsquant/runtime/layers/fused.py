@@ -5,7 +5,12 @@ Triton launch each; scripts/count_decode_ops.py counts them per layer.
 `use_fused_ops(model)` (the engine calls it when kernels are on) re-classes, in place:
   RMSNorm       -> TritonRMSNorm: one runtime/kernels/rmsnorm.py launch (x [..., H], weight [H])
   DecoderLayer  -> FusedAddNormDecoderLayer: the residual add after attention fused into
-                   post_attention_layernorm (fused_add_rms_norm), one launch for add + norm.
+                   post_attention_layernorm (fused_add_rms_norm), one launch for add + norm; on
+                   MoE layers the residual add after the MLP joins the experts' sum (TritonMoE).
+  MoE           -> TritonMoE: on the FusedMoE backend, the weighted top-k sum, the shared experts'
+                   output and the decoder's residual add in one moe_sum.py launch. Not under
+                   expert parallelism (ExpertParallel): its partial sums are all-reduced by a
+                   hook on the module's output, which must then not include the residual.
   Router        -> TritonRouter: fp32 logits from one GEMM (CUDA bf16/fp16: cuBLAS with fp32
                    output, no casts; else an fp32 copy of the weight made once), then softmax /
                    sigmoid, grouped top-k, normalisation and scaling in one moe_route.py launch.
@@ -27,7 +32,8 @@ import torch
 from dsquant.models.attention import MLAttention
 from dsquant.models.causal_lm import DecoderLayer
 from dsquant.models.layers import GatedMLP, RMSNorm
-from dsquant.models.moe import Router
+from dsquant.models.moe import MoE, Router
+from dsquant.runtime.layers.moe import FusedMoE
 
 
 def runs_triton(t: torch.Tensor) -> bool:
@@ -54,7 +60,28 @@ class FusedAddNormDecoderLayer(DecoderLayer):
         attn = self.self_attn(self.input_layernorm(hidden), ctx)
         norm = self.post_attention_layernorm
         normed, hidden = fused_add_rms_norm(attn, hidden, norm.weight, norm.eps)  # add, then norm
+        if isinstance(self.mlp, TritonMoE) and self.mlp.adds_residual():
+            return self.mlp(normed, residual=hidden)  # experts' sum + shared + residual: one launch
         return hidden + self.mlp(normed)
+
+
+class TritonMoE(MoE):
+    def adds_residual(self) -> bool:
+        """Whether forward(x, residual) fuses the add: on FusedMoE itself, not wrapped for expert
+        parallelism (whose all-reduce hook on this module's output would sum the residual too)."""
+        return isinstance(self.backend, FusedMoE)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x, residual [..., hidden] -> residual + moe(x) (residual None: moe(x))
+        if not runs_triton(x) or not self.adds_residual():
+            out = super().forward(x)
+            return out if residual is None else residual + out
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [T, hidden]
+        weights, ids = self.gate(flat)
+        shared = self.shared_experts(flat) if self.shared_experts is not None else None
+        res = None if residual is None else residual.reshape(flat.shape)
+        return self.backend.experts(self, flat, ids, weights, shared_output=shared, residual=res).view(shape)
 
 
 class TritonRouter(Router):
@@ -113,7 +140,7 @@ class TritonMLAttention(MLAttention):
 
 
 FUSED = {RMSNorm: TritonRMSNorm, DecoderLayer: FusedAddNormDecoderLayer, Router: TritonRouter,
-         GatedMLP: TritonGatedMLP, MLAttention: TritonMLAttention}
+         GatedMLP: TritonGatedMLP, MLAttention: TritonMLAttention, MoE: TritonMoE}
 
 
 def use_fused_ops(model: torch.nn.Module) -> int:

@@ -7,7 +7,9 @@ per-expert tensors are dropped. Formats: bf16/fp16 experts as they are; AWQ INT4
 int4_experts_from_awq; FP8 block experts through fp8_experts; GPTQ and compressed-tensors INT4
 experts, and shapes the quantized grouped GEMMs refuse (ValueError), are dequantized once to the
 model dtype and run as bf16 experts.
-Shared experts stay a dense GatedMLP, added by the MoE module itself.
+Shared experts stay a dense GatedMLP, added by the MoE module itself; `experts` also takes their
+output and the decoder layer's residual, so the kernel path (layers/fused.py TritonMoE) ends the
+MoE block with one sum-and-add launch.
 """
 from __future__ import annotations
 
@@ -77,8 +79,10 @@ class FusedMoE:
             w2 = bf16_experts(dense("down_proj").contiguous())
         return w13, w2
 
-    def experts(self, module, x, topk_ids, topk_weights):
+    def experts(self, module, x, topk_ids, topk_weights, shared_output=None, residual=None):
+        """x [T, hidden]; topk_ids, topk_weights [T, k]; shared_output, residual [T, hidden] or None
+        -> [T, hidden]: the weighted expert sum (+ shared_output) (+ residual), the sum and adds in
+        one launch (kernels/moe_sum.py, rounding as the reference's separate adds)."""
         from dsquant.runtime.kernels.fused_moe import fused_moe
 
-        # x [T, hidden]; topk_ids, topk_weights [T, k]
-        return fused_moe(x, self.weights[module], topk_weights, topk_ids)
+        return fused_moe(x, self.weights[module], topk_weights, topk_ids, shared_output, residual=residual)
