@@ -8,7 +8,7 @@ V2-Lite's attention shapes (16 heads, nope 128, rope 64, R 512, v 128), bf16, bl
    latent store, W_UK einsum, decode + merge, W_UV einsum) against mla_prepare + split decode +
    mla_merge_uv, at batch 1, 8, 64, context 600 / 4096 / 32768, max_seq_len = the context and
    = 163840 (what a CUDA graph captured for V2-Lite's max_model_len passes). Outputs compared.
-2. The split decode kernel alone over num_splits x block_n at batch 1.
+2. The fused layer at batch 1 over num_splits x block_n x num_warps x num_stages.
 """
 import json
 import math
@@ -17,10 +17,11 @@ import sys
 import torch
 
 from dsquant.runtime.kernels.kv_store import store_latent
-from dsquant.runtime.kernels.mla_absorb import mla_merge_uv, mla_prepare
+from dsquant.runtime.kernels.mla_absorb import MERGE_UV_MAX_ROWS, mla_merge_uv, mla_prepare
 from dsquant.runtime.kernels.mla_decode import MLADecodeConfig, mla_decode_attention, mla_decode_split
 from dsquant.runtime.kernels.rmsnorm import rms_norm
 from dsquant.runtime.kernels.rope import apply_rope
+from dsquant.runtime.kernels.split_kv_merge import merge_splits
 
 H, NOPE, ROPE, R, V, BS = 16, 128, 64, 512, 128, 16
 dev, dt = "cuda", torch.bfloat16
@@ -81,6 +82,10 @@ def fused(c, scale, max_len, config=MLADecodeConfig()):
     q_abs = mla_prepare(q, c["latent"], c["norm_w"], 1e-6, c["cos"], c["sin"], c["w_uk"], c["cache"], c["slots"], True)
     parts = mla_decode_split(q_abs, q[..., NOPE:], c["cache"], c["table"], c["lens"], scale, max_seq_len=max_len,
                              config=config)
+    if parts is not None and q.shape[0] > MERGE_UV_MAX_ROWS:
+        lat = torch.empty_like(q_abs)
+        merge_splits(*parts, lat)
+        return torch.einsum("thr,hvr->thv", lat, c["w_uv"])
     if parts is None:
         lat = mla_decode_attention(q_abs, q[..., NOPE:], c["cache"], c["table"], c["lens"], scale,
                                    max_seq_len=max_len, config=config)
@@ -106,15 +111,17 @@ def main(path):
                 r["speedup"] = r["chain_us"] / r["fused_us"]
                 rows.append(r)
                 print(r, flush=True)
-    for ctx in (600, 4096):
+    for ctx in (600, 4096, 32768):
         c = case(1, ctx)
-        for splits in (2, 4, 8, 16, 32, 64):
-            for block_n in (16, 32, 64):
-                cfg = MLADecodeConfig(block_n=block_n, num_splits=splits)
-                r = {"batch": 1, "ctx": ctx, "splits": splits, "block_n": block_n,
-                     "fused_us": graph_us(lambda: fused(c, scale, 163840, cfg))}
-                sweep.append(r)
-                print(r, flush=True)
+        for splits in (8, 16, 32, 64):
+            for block_n in (32, 64):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        cfg = MLADecodeConfig(block_n=block_n, num_splits=splits, num_warps=warps, num_stages=stages)
+                        r = {"batch": 1, "ctx": ctx, "splits": splits, "block_n": block_n, "warps": warps,
+                             "stages": stages, "fused_us": graph_us(lambda: fused(c, scale, 163840, cfg))}
+                        sweep.append(r)
+                        print(r, flush=True)
         with open(path, "w") as f:
             json.dump({"layer": rows, "splits": sweep}, f, indent=1)
     with open(path, "w") as f:

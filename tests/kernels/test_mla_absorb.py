@@ -23,7 +23,7 @@ def _prepare_case(device, dtype, t, heads, nope, rank, rope, interleaved, seed):
     w_uk = torch.randn(heads, nope, rank, generator=g) / math.sqrt(nope)
     norm_w = 1 + 0.1 * torch.randn(rank, generator=g)
     angles = torch.rand(t, rope // 2, generator=g) * 6.0
-    block_size, num_blocks = 16, 4
+    block_size, num_blocks = 16, t // 16 + 2
     perm = torch.randperm(num_blocks * block_size, generator=g)[:t]
     slots = torch.where(torch.arange(t) == t // 2, -1, perm)  # one padding token
     to = dict(device=device)
@@ -66,7 +66,7 @@ def test_mla_prepare_bf16_v2_lite_shapes(t):
     q, latent, norm_w, cos, sin, w_uk, cache, slots = _prepare_case(
         "cuda", torch.bfloat16, t, heads, nope, rank, rope, True, seed=7)
     cache = torch.full((16, 16, rank + rope), float("nan"), dtype=torch.bfloat16, device="cuda")
-    slots = torch.randperm(256, device="cuda")[:t]
+    slots = torch.randperm(256, device="cuda")[:t]  # every token stored
     q_before = q.clone()
     q_abs = mla_prepare(q, latent, norm_w, 1e-6, cos, sin, w_uk, cache, slots, True)
     ref_abs = torch.einsum("thn,hnr->thr", q_before[..., :nope], w_uk)  # the bf16 einsum it replaces
@@ -87,7 +87,7 @@ def _merge_ref(part_out, part_lse, w_uv, dtype):
     return torch.einsum("thr,hvr->thv", latent.to(dtype).float(), w_uv.float())
 
 
-@pytest.mark.parametrize("t,splits", [(1, 8), (3, 1), (20, 5)])
+@pytest.mark.parametrize("t,splits", [(1, 8), (3, 1), (6, 5), (2, 64)])
 def test_mla_merge_uv(device, t, splits):
     heads, rank, v_dim = 3, 64, 48
     g = torch.Generator().manual_seed(t * 10 + splits)

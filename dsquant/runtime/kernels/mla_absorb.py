@@ -19,8 +19,8 @@ for its first R tile, that head's q rope); the last program of each token block 
 `mla_merge_uv` (one launch) replaces the split-KV merge and the W_UV einsum:
 - part_out [T, H, S, R], part_lse [T, H, S] fp32 from mla_decode (split layout), w_uv [H, v, R]
   -> out [T, H, v]: the merged latent output (rounded to out's dtype, as the merge wrote it) times
-  W_UV[h]^T, fp32 accumulation. Program (token block, head, v tile); a split with lse -inf (empty) is
-  not read.
+  W_UV[h]^T, fp32 accumulation. Program (token, head, v tile); a split with lse -inf (empty) is not
+  read. Decode-sized T only: every program reads its own W_UV tile.
 """
 from __future__ import annotations
 
@@ -136,38 +136,40 @@ def _mla_merge_uv_kernel(
     part_out_ptr, part_lse_ptr,  # [T, H, S, RANK], [T, H, S] fp32
     w_uv_ptr,  # [H, V, RANK]
     out_ptr, stride_ot, stride_oh,  # [T, H, V]
-    num_tokens, num_heads, num_splits, v_dim,
-    RANK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    num_heads, num_splits, v_dim,
+    RANK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
-    tmask = t < num_tokens
+    t = tl.program_id(0)
     h = tl.program_id(1)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    r = tl.arange(0, RANK)[None, :]
-    row = (t.to(tl.int64) * num_heads + h) * num_splits  # [BLOCK_T], first split of each row
-    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + row + s, mask=tmask, other=float("-inf")))
+    vmask = v < v_dim
+    s = tl.arange(0, BLOCK_S)
+    row = (t.to(tl.int64) * num_heads + h) * num_splits
+    lse = tl.load(part_lse_ptr + row + s, mask=s < num_splits, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_T, RANK], tl.float32)
-    total = tl.zeros([BLOCK_T], tl.float32)
-    for s in range(num_splits):
-        lse = tl.load(part_lse_ptr + row + s, mask=tmask, other=float("-inf"))
-        w = tl.exp2(lse - m)  # 0 for an empty split
-        part = tl.load(part_out_ptr + (row + s)[:, None] * RANK + r, mask=(lse > float("-inf"))[:, None],
-                       other=0.0)  # [BLOCK_T, RANK]
-        acc += part * w[:, None]
-        total += w
-    latent = (acc / tl.where(total > 0, total, 1.0)[:, None]).to(w_uv_ptr.dtype.element_ty)
-    w_uv = tl.load(w_uv_ptr + (h * v_dim + v[:, None]) * RANK + r, mask=(v < v_dim)[:, None], other=0.0)
-    o = tl.dot(latent, tl.trans(w_uv))  # [BLOCK_T, BLOCK_V] fp32
-    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + h * stride_oh + v[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & (v < v_dim)[None, :])
+    w = tl.exp2(lse - m)  # [BLOCK_S], 0 for an empty split
+    total = tl.sum(w, 0)
+    inv = 1.0 / tl.where(total > 0, total, 1.0)
+    live = (lse > float("-inf"))[:, None]
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for r0 in tl.static_range(0, RANK, BLOCK_R):  # unrolled: every tile's loads can be in flight at once
+        r = r0 + tl.arange(0, BLOCK_R)
+        part = tl.load(part_out_ptr + (row + s)[:, None] * RANK + r[None, :], mask=live, other=0.0)  # [BLOCK_S, BLOCK_R]
+        latent = (tl.sum(part * w[:, None], 0) * inv).to(w_uv_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_R]
+        w_uv = tl.load(w_uv_ptr + (h * v_dim + v[:, None]) * RANK + r[None, :], mask=vmask[:, None],
+                       other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
+        acc += tl.sum(w_uv * latent[None, :], 1)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + v, acc.to(out_ptr.dtype.element_ty), mask=vmask)
+
+
+MERGE_UV_MAX_ROWS = 8  # beyond, each program's W_UV tile read (per row) costs more than merge + einsum
 
 
 def mla_merge_uv(part_out: torch.Tensor, part_lse: torch.Tensor, w_uv: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """part_out [T, H, S, R], part_lse [T, H, S] fp32 (contiguous), w_uv [H, v, R] -> out [T, H, v]."""
+    """part_out [T, H, S, R], part_lse [T, H, S] fp32 (contiguous), w_uv [H, v, R] -> out [T, H, v].
+    One program per (row, head, v tile): for decode-sized T (<= MERGE_UV_MAX_ROWS is where it pays)."""
     t, heads, splits, rank = part_out.shape
     v_dim = w_uv.shape[1]
     if part_lse.shape != (t, heads, splits) or w_uv.shape != (heads, v_dim, rank) or not w_uv.is_contiguous():
@@ -176,10 +178,11 @@ def mla_merge_uv(part_out: torch.Tensor, part_lse: torch.Tensor, w_uv: torch.Ten
     if out is None:
         out = torch.empty(t, heads, v_dim, dtype=w_uv.dtype, device=part_out.device)
     if t:
-        block_t = 16 if t <= 16 else 32
-        block_v = 32 if t <= 16 else 64
-        grid = (triton.cdiv(t, block_t), heads, triton.cdiv(v_dim, block_v))
+        block_s = max(2, triton.next_power_of_2(splits))
+        block_r = max(16, min(rank, 4096 // block_s))
+        block_v = 32
+        grid = (t, heads, triton.cdiv(v_dim, block_v))
         _mla_merge_uv_kernel[grid](part_out, part_lse, w_uv, out, out.stride(0), out.stride(1),
-                                   t, heads, splits, v_dim, RANK=rank, BLOCK_T=block_t, BLOCK_V=block_v,
-                                   num_warps=4)
+                                   heads, splits, v_dim, RANK=rank, BLOCK_S=block_s, BLOCK_R=block_r,
+                                   BLOCK_V=block_v, num_warps=4)
     return out

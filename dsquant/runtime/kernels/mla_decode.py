@@ -99,7 +99,7 @@ def _mla_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
     else:
         row_id = (b * num_heads + heads) * num_splits + split  # [BLOCK_H]
-        tl.store(part_out_ptr + row_id[:, None] * RANK + r[None, :], out, mask=hmask[:, None])
+        tl.store(part_out_ptr + row_id[:, None] * RANK + r[None, :], out, mask=hmask[:, None] & (end > start))
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(part_lse_ptr + row_id, lse, mask=hmask)
 

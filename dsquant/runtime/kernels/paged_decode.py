@@ -93,7 +93,7 @@ def _paged_decode_gqa_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=omask)
     else:
         row_id = (b * num_q_heads + heads) * num_splits + split  # [BLOCK_G]
-        tl.store(part_out_ptr + row_id[:, None] * HEAD_DIM + d[None, :], out, mask=omask)
+        tl.store(part_out_ptr + row_id[:, None] * HEAD_DIM + d[None, :], out, mask=omask & (end > start))
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # empty chunk: -inf
         tl.store(part_lse_ptr + row_id, lse, mask=gmask)
 

@@ -3,8 +3,9 @@
 A decode kernel that splits each sequence's context into S chunks writes, per (row b, head h,
 split s), the chunk's softmax-normalised output and its log-sum-exp (base 2, scaled scores):
 - partial_out [B, H, S, Dv] float32, partial_lse [B, H, S] float32 (-inf for an empty chunk).
-The merge weighs each chunk by 2^(lse_s - max lse) and writes out [B, H, Dv] in out's dtype. A row
-whose chunks are all empty (seq_len 0, a padded batch row) gets zeros.
+The merge weighs each chunk by 2^(lse_s - max lse) and writes out [B, H, Dv] in out's dtype. An
+empty chunk's partial_out is never read (the decode kernels do not store it). A row whose chunks
+are all empty (seq_len 0, a padded batch row) gets zeros.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _merge_kernel(
     w = tl.exp2(lse - m)  # [BLOCK_S], 0 for empty chunks
     dmask = d < head_dim_v
     part = tl.load(part_out_ptr + (row * num_splits + s[:, None]) * head_dim_v + d[None, :],
-                   mask=smask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+                   mask=(lse > float("-inf"))[:, None] & dmask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
     total = tl.sum(w, 0)
     acc = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
@@ -72,9 +73,11 @@ def choose_num_splits(programs: int, max_seq_len: int, min_tokens: int, sms: int
 @triton.jit
 def split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
     """Tokens [start, end) of `split` in a sequence of seq_len tokens: each sequence divides its own
-    length into num_splits chunks of a multiple of BLOCK_N tokens (the last ones may be empty).
-    Sized in the kernel, not from the launch's max_seq_len, so a launch captured in a CUDA graph
-    for max_model_len still spreads a short context over every split."""
-    per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    length into chunks of at least 4 x BLOCK_N tokens (a split's partial result costs about what
+    reading that many keys does), a multiple of BLOCK_N, over at most num_splits splits; the
+    remaining splits are empty. Sized in the kernel, not from the launch's max_seq_len, so a
+    launch captured in a CUDA graph for max_model_len fits every context length it replays."""
+    per = tl.maximum(tl.cdiv(seq_len, num_splits), 4 * BLOCK_N)
+    per = tl.cdiv(per, BLOCK_N) * BLOCK_N
     start = split * per
     return start, tl.minimum(seq_len, start + per)

@@ -9,7 +9,8 @@ is applied after attention; prefill uses the same kernel with one row per new to
 kv_b_proj's dense (dequantized) weight.
 `mla_fused` is the same attention from the projections' raw outputs in three launches
 (mla_absorb.py): mla_prepare (q rope, W_UK, kv_a RMSNorm, k rope, cache store), the split decode
-kernel, and mla_merge_uv (split merge and W_UV); the fused MLA module (layers/fused.py) calls it.
+kernel, and mla_merge_uv (split merge and W_UV; decode-sized batches, else merge + einsum); the
+fused MLA module (layers/fused.py) calls it.
 """
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ class TritonPagedAttention(PagedAttentionBase):
     def mla_fused(self, module, q, latent, ctx: PagedContext):
         """q [1, T, H, nope + rope] (q projection, rope part rotated in place), latent [1, T, R + rope]
         (kv_a projection, before its RMSNorm) -> [1, T, H, v]."""
-        from dsquant.runtime.kernels.mla_absorb import mla_merge_uv, mla_prepare
+        from dsquant.runtime.kernels.mla_absorb import MERGE_UV_MAX_ROWS, mla_merge_uv, mla_prepare
         from dsquant.runtime.kernels.mla_decode import mla_decode_attention, mla_decode_split, prefill_rows
+        from dsquant.runtime.kernels.split_kv_merge import merge_splits
 
         (kv_cache,) = self.caches_of(module)
         w_uk, w_uv = self._absorbed(module, q.dtype)
@@ -95,8 +97,12 @@ class TritonPagedAttention(PagedAttentionBase):
             block_tables, seq_lens = prefill_rows(ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, t)
         parts = mla_decode_split(q_abs, q_pe, kv_cache, block_tables, seq_lens, module.scaling,
                                  max_seq_len=ctx.max_seq_len)
-        if parts is not None:
+        if parts is not None and t <= MERGE_UV_MAX_ROWS:
             return mla_merge_uv(*parts, w_uv)[None]  # [1, T, H, v]
-        latent_out = mla_decode_attention(q_abs, q_pe, kv_cache, block_tables, seq_lens, module.scaling,
-                                          max_seq_len=ctx.max_seq_len)  # [T, H, R]
+        if parts is not None:
+            latent_out = torch.empty_like(q_abs)
+            merge_splits(*parts, latent_out)
+        else:
+            latent_out = mla_decode_attention(q_abs, q_pe, kv_cache, block_tables, seq_lens, module.scaling,
+                                              max_seq_len=ctx.max_seq_len)  # [T, H, R]
         return torch.einsum("thr,hvr->thv", latent_out, w_uv)[None]
