@@ -68,10 +68,10 @@ def count_step(engine) -> tuple[int, int]:
     return mode.ops, calls[0]
 
 
-def time_decode(engine, batch: int, steps: int, params: SamplingParams) -> list[float]:
+def time_decode(engine, batch: int, steps: int, params: SamplingParams, prompt_len: int):
     g = torch.Generator().manual_seed(batch)
     for _ in range(batch):
-        engine.add_request(torch.randint(0, 30000, (100,), generator=g).tolist(), params)
+        engine.add_request(torch.randint(0, 30000, (prompt_len,), generator=g).tolist(), params)
     engine.step()  # the prefill(s)
     engine.step()
     counts = count_step(engine)
@@ -89,18 +89,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--vocab", type=int, default=V2_LITE["vocab_size"])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=100)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_config_dir(Path(tmp) / "m", V2_LITE, "bf16", **TINY, vocab_size=args.vocab)
         engine = LLMEngine(path, EngineConfig(device="cpu", kernels=False, verify_checksums=False,
-                                              max_model_len=1024, num_blocks=1024),
+                                              max_model_len=4096, num_blocks=2048,
+                                              max_num_batched_tokens=1 << 17, max_num_seqs=256),
                            reader=RandomCheckpointReader(path))
         stub_forward(engine.runner, args.vocab)
         for batch in args.batch:
             for name, temp in (("greedy", 0.0), ("temperature 1", 1.0)):
                 params = SamplingParams(max_tokens=args.steps + 8, temperature=temp, ignore_eos=True)
-                t, (ops, tensors) = time_decode(engine, batch, args.steps, params)
+                t, (ops, tensors) = time_decode(engine, batch, args.steps, params, args.prompt_len)
                 us = sorted(x * 1e6 for x in t)
                 print(f"batch {batch:3d} {name:14s} step median {statistics.median(us):8.1f} us  "
                       f"p90 {us[int(0.9 * len(us))]:8.1f} us  aten ops {ops:3d}  torch.tensor {tensors:2d}")

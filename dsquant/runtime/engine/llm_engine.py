@@ -254,7 +254,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 del self.requests[seq.request_id]
             outputs.append(RequestOutput(
-                request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+                request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
                 token_ids=seq.completion_token_ids, new_token_ids=[token],
                 text=detok.text if detok is not None else "", delta_text=delta, finished=reason is not None,
                 finish_reason=reason, num_cached_tokens=seq.num_cached_tokens,

@@ -81,7 +81,7 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
-            if budget <= 0 or seq not in self.running:  # may have been preempted meanwhile
+            if budget <= 0 or seq.status is not SequenceStatus.RUNNING:  # preempted meanwhile
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             if n < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:

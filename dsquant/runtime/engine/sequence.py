@@ -60,6 +60,7 @@ class Sequence:
                  arrival_time: float = 0.0):
         self.seq_id, self.request_id = seq_id, request_id
         self.token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)  # one list shared by every RequestOutput
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.status = SequenceStatus.WAITING
