@@ -136,11 +136,12 @@ def test_mla_decode_gpu_forced_splits(splits, device):
 @pytest.mark.parametrize("heads,batch,length,expected", [
     (16, 1, 4096, 32), (16, 1, 32768, 64), (16, 32, 4096, 8), (16, 32, 32768, 32), (16, 64, 4096, 8),
     (16, 64, 32768, 32), (128, 1, 4096, 32), (128, 32, 4096, 8), (128, 32, 32768, 8), (128, 64, 8192, 4),
-    (16, 4, 100, 1),
+    (16, 4, 100, 16), (16, 1, 776, 16), (16, 64, 776, 4),
 ])
 def test_mla_split_choice(heads, batch, length, expected):
     """Split counts the heuristic picks on a 132-SM GPU: powers of two; for every bench shape but
-    (128, 64, *) the pick is the fastest of the split counts measured with the default tiles in the 2026-11-29 H200 sweep."""
+    (128, 64, *) the pick is the fastest of the split counts measured with the default tiles in the 2026-11-29 H200 sweep.
+    A few 16-head sequences get at least 16 whatever max_seq_len says (each sizes its own splits)."""
     from dsquant.runtime.kernels.mla_decode import choose_mla_splits, default_block_h
 
     block_h = default_block_h(heads)

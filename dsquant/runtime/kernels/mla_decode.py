@@ -142,6 +142,12 @@ def choose_mla_splits(programs: int, block_h: int, block_n: int, max_seq_len: in
     splits = choose_num_splits(programs, max_seq_len, 4 * block_n, sms, waves=2 if block_h <= 16 else 4)
     if block_h <= 16:
         splits = max(splits, min(32, max_seq_len // 512))
+        # a few sequences: at least 16 splits (or a wave), whatever max_seq_len says. Each sequence
+        # sizes its own splits (split_kv_merge.split_bounds), so a short one leaves the rest empty, and
+        # a graph captured at a small max_model_len still reads a 4096-token context 16 ways (H200,
+        # batch 1, 600 tokens: 8-16 splits 17.3-17.7 us per layer, 4 splits 20.9; 4096 tokens: 16-32
+        # splits 23-26 us, 8 splits 40 us; scripts/mla_sweep.py)
+        splits = max(splits, min(16, -(-2 * sms // programs)))
     return 1 << (max(1, splits).bit_length() - 1)
 
 
