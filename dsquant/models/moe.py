@@ -1,7 +1,9 @@
 """DeepSeek mixture of experts: router (gate), routed experts, shared experts.
 
 Routing (softmax/sigmoid scores; greedy, group_limited_greedy, noaux_tc) is models/routing.py.
-The experts themselves run through a pluggable backend; `LoopMoE` is the reference loop.
+The experts themselves run through a pluggable backend; `LoopMoE` is the reference loop. A backend
+may also run the shared experts (the runtime's FusedMoE stacks them with the routed experts): it
+then answers True to `runs_shared_experts(module)` and MoE.forward does not run them again.
 """
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor):
         # x [T, hidden] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)
         return route(x, self.weight, self.routing, self.e_score_correction_bias)
+
+
+def backend_runs_shared(backend, module: "MoE") -> bool:
+    """Whether `backend` runs module's shared experts itself (backends without the method do not)."""
+    runs = getattr(backend, "runs_shared_experts", None)
+    return runs is not None and runs(module)
 
 
 class LoopMoE:
@@ -66,6 +74,6 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
         weights, ids = self.gate(flat)
         out = self.backend.experts(self, flat, ids, weights)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not backend_runs_shared(self.backend, self):
             out = out + self.shared_experts(flat)
         return out.view(shape)

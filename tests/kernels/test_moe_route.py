@@ -80,3 +80,21 @@ def test_route_rejects_bad_input(device):
         moe_route(logits, 2, "relu")
     with pytest.raises(ValueError, match="out must be"):
         moe_route(logits, 2, out=(torch.empty(2, 2, device=device), torch.empty(2, 2, dtype=torch.int64, device=device)))
+
+
+@pytest.mark.parametrize("n_shared", [1, 2, 3])
+@pytest.mark.parametrize("scoring,method", METHODS[:3])
+def test_route_appends_shared_experts(n_shared, scoring, method, device):
+    """n_shared columns after the top-k: ids E .. E + n_shared - 1, weight 1 (what
+    fused_moe.with_shared_experts appends), the routed columns as without them."""
+    e, k, t = 64, 6, 5
+    logits = torch.randn(t, e, device=device) * 2
+    bias = torch.randn(e, device=device) * 0.5 if method == "noaux_tc" else None
+    args = (k, scoring, method, 8, 3, True, 2.5, bias)
+    out = (torch.full((t, k + n_shared), float("nan"), device=device),
+           torch.full((t, k + n_shared), -7, dtype=torch.int32, device=device))
+    w, ids = moe_route(logits, *args, out=out, n_shared=n_shared)
+    ref_w, ref_ids = moe_route(logits, *args)
+    assert torch.equal(ids[:, :k], ref_ids) and torch.equal(w[:, :k], ref_w)
+    assert torch.equal(ids[:, k:], torch.arange(e, e + n_shared, dtype=torch.int32, device=device).expand(t, -1))
+    assert torch.equal(w[:, k:], torch.ones(t, n_shared, device=device))

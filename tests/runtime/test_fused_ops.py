@@ -33,7 +33,8 @@ def _reference(module, *args):
 
 def _check_layer(model, dtype, device, t=5):
     layer = model.model.layers[1]
-    router, shared, attn = layer.mlp.gate, layer.mlp.shared_experts, layer.self_attn
+    # the MoE's shared experts are folded into its grouped experts: check the dense layer's MLP
+    router, shared, attn = layer.mlp.gate, model.model.layers[0].mlp, layer.self_attn
     assert (type(router), type(shared), type(attn)) == (TritonRouter, TritonGatedMLP, TritonMLAttention)
     hidden = torch.randn(t, model.config.hidden_size, dtype=dtype, device=device)
     w, ids = router(hidden)
@@ -41,10 +42,14 @@ def _check_layer(model, dtype, device, t=5):
     assert ids.dtype == torch.int32 and torch.equal(ids.long().sort(-1)[0], ref_ids.sort(-1)[0])
     torch.testing.assert_close(w.gather(1, ids.long().argsort(-1)), ref_w.gather(1, ref_ids.argsort(-1)),
                                rtol=1e-3 if dtype != torch.float32 else 2e-6, atol=1e-6)
+    e = model.config.n_routed_experts
+    w2, ids2 = router(hidden, n_shared=1)  # the folded shared expert appended: id E, weight 1
+    assert torch.equal(ids2[:, :-1], ids) and torch.equal(w2[:, :-1], w)
+    assert (ids2[:, -1] == e).all() and (w2[:, -1] == 1).all()
     x = torch.randn(1, t, model.config.hidden_size, dtype=dtype, device=device)
     torch.testing.assert_close(shared(x), _reference(shared, x))
     moe, residual = layer.mlp, torch.randn_like(x)
-    assert type(moe) is TritonMoE and moe.adds_residual()
+    assert type(moe) is TritonMoE and moe.adds_residual() and moe.backend.num_folded(moe) == 1
     ref = _reference(moe, x)  # the experts' sum, then + shared and + residual as separate adds
     torch.testing.assert_close(moe(x), ref)
     torch.testing.assert_close(moe(x, residual=residual), residual + ref)

@@ -35,7 +35,11 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
 @pytest.mark.parametrize("family", ["llama", "deepseek_v2", "deepseek_v3"])
 def test_kernels_match_torch_path(family, tiny_models):
     _, path = tiny_models[family]
-    assert tokens(path, kernels=True) == tokens(path, kernels=False)
+    eng = []
+    assert tokens(path, kernels=True, engine_out=eng) == tokens(path, kernels=False)
+    if family != "llama":  # the shared expert runs as expert 8 of the grouped experts
+        mlp = eng[0].model.model.layers[1].mlp
+        assert mlp.backend.num_folded(mlp) == 1 and mlp.backend.weights[mlp].num_experts == 9
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +51,16 @@ def wide_moe(tmp_path_factory):
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("scheme,fmt", [("awq", "int4"), ("fp8", "fp8"), ("gptq", "bf16")])
-def test_fused_moe_over_quantized_experts(scheme, fmt, wide_moe, tmp_path):
+@pytest.mark.parametrize("scheme,fmt,folded", [("awq", "int4", 1), ("fp8", "fp8", 1), ("gptq", "bf16", 0)])
+def test_fused_moe_over_quantized_experts(scheme, fmt, folded, wide_moe, tmp_path):
+    """Shared experts in the routed experts' format are folded into the grouped GEMMs; GPTQ experts
+    run dequantized, so its GPTQ shared expert stays a separate MLP."""
     quant, _ = write_pair(wide_moe, tmp_path, scheme)
     eng = []
     assert tokens(quant, kernels=True, engine_out=eng) == tokens(quant, kernels=False)
-    moe_backend = eng[0].model.model.layers[1].mlp.backend
-    assert {w.w13.format for w in moe_backend.weights.values()} == {fmt}
+    mlp = eng[0].model.model.layers[1].mlp
+    assert {w.w13.format for w in mlp.backend.weights.values()} == {fmt}
+    assert mlp.backend.num_folded(mlp) == folded and mlp.backend.weights[mlp].num_experts == 8 + folded
 
 
 @pytest.mark.gpu
@@ -101,4 +108,24 @@ def test_fp8_experts_off_the_128_grid_run_dequantized(tmp_path):
     assert len(out) == 3 and all(len(t) == 4 for t in out)
     mlp = eng[0].model.model.layers[1].mlp
     assert mlp.backend.weights[mlp].w13.format == "bf16"
-    assert mlp.backend.weights[mlp].w13.n == 2 * 96
+    assert mlp.backend.weights[mlp].w13.n == 2 * 96 and mlp.backend.num_folded(mlp) == 0
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("scheme,tol", [(None, 1e-5), ("awq", 1e-4), ("fp8", 3e-2)])
+def test_folded_shared_experts_give_the_reference_moe_output(scheme, tol, wide_moe, tmp_path):
+    """The MoE block with its shared expert folded into the grouped experts (kernel path) against
+    the reference block (expert loop + dense shared MLP) on the same weights and fresh inputs."""
+    path = wide_moe if scheme is None else write_pair(wide_moe, tmp_path, scheme)[0]
+    mlps = []
+    for kernels in (True, False):
+        eng = []
+        tokens(path, kernels=kernels, engine_out=eng)
+        mlps.append(eng[0].model.model.layers[1].mlp)
+    fused, ref = mlps
+    assert fused.backend.num_folded(fused) == 1 and fused.shared_experts.gate_proj._parameters == {}
+    x = torch.randn(1, 7, 128)
+    with torch.inference_mode():
+        got, want = fused(x), ref(x)
+    err = float((got - want).norm() / want.norm())
+    assert err < tol, f"relative error {err:.2e}"

@@ -1,7 +1,8 @@
 """MoE routing in one launch: router logits -> top-k expert ids and weights.
 
     logits fp32 [T, E] (row stride free, unit column stride), e_score_correction_bias [E] (any
-    float dtype, noaux_tc only)  ->  topk_weights fp32 [T, top_k], topk_ids int32 [T, top_k]
+    float dtype, noaux_tc only)  ->  topk_weights fp32 [T, top_k + n_shared],
+                                     topk_ids int32 [T, top_k + n_shared]
 
 The same routing as models/routing.select_experts (DeepSeek V2 / V3, see its docstring):
   scores  = softmax(logits) or sigmoid(logits)
@@ -15,6 +16,8 @@ group of E), so E <= 1024 experts fit; top-k and the group choice are repeated a
 (ties go to the lower index; on real-valued logits they have probability zero). The ids come out
 in the order chosen (best first); the reference's order is unspecified, compare them as sets.
 int32 ids are what moe_align_block_size reads, so no cast follows.
+n_shared > 0 appends the shared experts run as always-selected experts after the E routed ones
+(fused_moe.with_shared_experts in the same launch): columns top_k + i hold id E + i, weight 1.
 """
 from __future__ import annotations
 
@@ -30,9 +33,10 @@ MAX_EXPERTS = 1024
 @triton.jit
 def _moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, per_group, n_group,
                       stride_logits, stride_weights, stride_ids, scaling,
-                      TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr,
+                      TOP_K: tl.constexpr, N_SHARED: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                      SIGMOID: tl.constexpr,
                       METHOD: tl.constexpr, NORM: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_PER: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_PER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
     # METHOD: 0 greedy, 1 group_limited_greedy, 2 noaux_tc
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]  # [BLOCK_G, 1]
@@ -86,16 +90,21 @@ def _moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, p
     top_w = top_w * scaling
     tl.store(weights_ptr + t * stride_weights + k, top_w, mask=k < TOP_K)
     tl.store(ids_ptr + t * stride_ids + k, top_id, mask=k < TOP_K)
+    if N_SHARED > 0:
+        s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        tl.store(weights_ptr + t * stride_weights + TOP_K + s, tl.full([BLOCK_S], 1.0, tl.float32),
+                 mask=s < N_SHARED)
+        tl.store(ids_ptr + t * stride_ids + TOP_K + s, num_experts + s, mask=s < N_SHARED)
 
 
 def moe_route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", topk_method: str = "greedy",
               n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = False,
               routed_scaling_factor: float = 1.0, e_score_correction_bias: torch.Tensor | None = None,
-              out: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """logits fp32 [T, E] -> (topk_weights fp32 [T, top_k], topk_ids int32 [T, top_k]).
+              out: tuple[torch.Tensor, torch.Tensor] | None = None, n_shared: int = 0):
+    """logits fp32 [T, E] -> (topk_weights fp32 [T, top_k + n_shared], topk_ids int32 [T, same]).
 
     The arguments are models.routing.RoutingConfig's fields (see the module docstring); `out`
-    takes preallocated (weights, ids) to fill."""
+    takes preallocated (weights, ids) to fill; n_shared appends ids E .. E + n_shared - 1, weight 1."""
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be fp32 [T, E], got {logits.dtype} {tuple(logits.shape)}")
     if logits.shape[1] and logits.stride(1) != 1:
@@ -124,13 +133,16 @@ def moe_route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", topk_m
         bias = e_score_correction_bias if e_score_correction_bias.is_contiguous() else e_score_correction_bias.contiguous()
     else:
         bias = logits  # never read
+    if n_shared < 0:
+        raise ValueError(f"n_shared must be >= 0, got {n_shared}")
+    cols = top_k + n_shared
     if out is None:
-        out = (torch.empty(t, top_k, dtype=torch.float32, device=logits.device),
-               torch.empty(t, top_k, dtype=torch.int32, device=logits.device))
+        out = (torch.empty(t, cols, dtype=torch.float32, device=logits.device),
+               torch.empty(t, cols, dtype=torch.int32, device=logits.device))
     weights, ids = out
-    if weights.shape != (t, top_k) or weights.dtype != torch.float32 or ids.shape != (t, top_k) \
+    if weights.shape != (t, cols) or weights.dtype != torch.float32 or ids.shape != (t, cols) \
             or ids.dtype != torch.int32 or weights.stride(1) != 1 or ids.stride(1) != 1:
-        raise ValueError(f"out must be (fp32 [T={t}, top_k={top_k}], int32 [T, top_k]) with unit column "
+        raise ValueError(f"out must be (fp32 [T={t}, top_k + n_shared={cols}], int32 [T, {cols}]) with unit column "
                          f"stride, got {weights.dtype} {tuple(weights.shape)} and {ids.dtype} {tuple(ids.shape)}")
     if t:
         block_g = triton.next_power_of_2(n_group)
@@ -138,8 +150,9 @@ def moe_route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", topk_m
         _moe_route_kernel[(t,)](
             logits, bias, weights, ids, num_experts, per_group, n_group,
             logits.stride(0), weights.stride(0), ids.stride(0), float(routed_scaling_factor),
-            TOP_K=top_k, TOPK_GROUP=topk_group, SIGMOID=scoring == "sigmoid",
+            TOP_K=top_k, N_SHARED=n_shared, TOPK_GROUP=topk_group, SIGMOID=scoring == "sigmoid",
             METHOD=TOPK_METHODS.index(topk_method), NORM=bool(norm_topk_prob), BLOCK_G=block_g,
             BLOCK_PER=block_per, BLOCK_K=triton.next_power_of_2(top_k),
+            BLOCK_S=triton.next_power_of_2(max(n_shared, 1)),
             num_warps=1 if block_g * block_per <= 64 else (2 if block_g * block_per <= 256 else 4))
     return weights, ids

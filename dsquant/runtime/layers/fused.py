@@ -7,8 +7,9 @@ Triton launch each; scripts/count_decode_ops.py counts them per layer.
   DecoderLayer  -> FusedAddNormDecoderLayer: the residual add after attention fused into
                    post_attention_layernorm (fused_add_rms_norm), one launch for add + norm; on
                    MoE layers the residual add after the MLP joins the experts' sum (TritonMoE).
-  MoE           -> TritonMoE: on the FusedMoE backend, the weighted top-k sum, the shared experts'
-                   output and the decoder's residual add in one moe_sum.py launch. Not under
+  MoE           -> TritonMoE: on the FusedMoE backend, the routing emits the folded shared experts'
+                   columns itself (moe_route n_shared), and the weighted top-k sum, the shared
+                   experts' output and the decoder's residual add are one moe_sum.py launch. Not under
                    expert parallelism (ExpertParallel): its partial sums are all-reduced by a
                    hook on the module's output, which must then not include the residual.
   Router        -> TritonRouter: fp32 logits from one GEMM (CUDA bf16/fp16: cuBLAS with fp32
@@ -78,8 +79,9 @@ class TritonMoE(MoE):
             return out if residual is None else residual + out
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
-        weights, ids = self.gate(flat)
-        shared = self.shared_experts(flat) if self.shared_experts is not None else None
+        folded = self.backend.num_folded(self)  # shared experts run as experts E .. E + folded - 1
+        weights, ids = self.gate(flat, n_shared=folded)  # [T, top_k + folded]
+        shared = self.shared_experts(flat) if self.shared_experts is not None and not folded else None
         res = None if residual is None else residual.reshape(flat.shape)
         return self.backend.experts(self, flat, ids, weights, shared_output=shared, residual=res).view(shape)
 
@@ -98,15 +100,22 @@ class TritonRouter(Router):
             self.weight_fp32 = w.float()  # once
         return torch.nn.functional.linear(x.float(), self.weight_fp32 if w.dtype != torch.float32 else w)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, n_shared: int = 0):
+        """x [T, hidden] -> (topk_weights fp32 [T, k + n_shared], topk_ids [T, k + n_shared]): n_shared
+        appends experts E .. E + n_shared - 1 with weight 1 (shared experts folded into the experts)."""
         if not runs_triton(x):
-            return super().forward(x)
+            out = super().forward(x)
+            if not n_shared:
+                return out
+            from dsquant.runtime.kernels.fused_moe import with_shared_experts
+
+            return with_shared_experts(*out, self.weight.shape[0], n_shared)
         from dsquant.runtime.kernels.moe_route import moe_route
 
         c = self.routing
-        # x [T, hidden] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k])
         return moe_route(self.logits(x), c.top_k, c.scoring, c.topk_method, c.n_group, c.topk_group,
-                         c.norm_topk_prob, c.routed_scaling_factor, self.e_score_correction_bias)
+                         c.norm_topk_prob, c.routed_scaling_factor, self.e_score_correction_bias,
+                         n_shared=n_shared)  # int32 ids
 
 
 class TritonGatedMLP(GatedMLP):
