@@ -122,14 +122,16 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         b, t, _ = x.shape  # x [B, T, hidden]
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, latent = self.project(x)
         q = q.view(b, t, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
-        latent = self.kv_a_proj_with_mqa(x)  # [B, T, R + rope]
         out = self.attend(q, latent, ctx)  # [B, T, H, v]
         return self.o_proj(out.reshape(b, t, -1))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> (q [B, T, H * (nope + rope)], latent [B, T, R + rope]); the runtime
+        fuses the two input projections into one GEMM."""
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q, self.kv_a_proj_with_mqa(x)
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, ctx) -> torch.Tensor:
         """q [B, T, H, nope + rope] and latent [B, T, R + rope] (the projections' outputs) -> [B, T, H, v]:

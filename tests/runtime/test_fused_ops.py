@@ -31,6 +31,15 @@ def _reference(module, *args):
         module.__class__ = fused
 
 
+def _reference_call(module, method, *args):
+    fused = type(module)
+    module.__class__ = ORIGINAL[fused]
+    try:
+        return getattr(module, method)(*args)
+    finally:
+        module.__class__ = fused
+
+
 def _check_layer(model, dtype, device, t=5):
     layer = model.model.layers[1]
     # the MoE's shared experts are folded into its grouped experts: check the dense layer's MLP
@@ -58,9 +67,12 @@ def _check_layer(model, dtype, device, t=5):
     ctx = PagedContext(cos=cos, sin=sin, slot_mapping=None, block_tables=None, seq_lens=None, cu_seqlens_q=None)
     backend, attn.backend = attn.backend, _Capture()
     try:
-        attn(x, ctx)
+        assert attn.fused_qkv_a is not None and not list(attn.kv_a_proj_with_mqa.parameters())
+        q, latent = attn.project(x)  # one GEMM: the loader fused q_proj and kv_a (fused_linear.py)
+        q = q.view(1, t, attn.num_heads, -1)
+        attn.attend(q.clone(), latent.clone(), ctx)
         got = attn.backend.seen
-        _reference(attn, x, ctx)
+        _reference_call(attn, "attend", q.clone(), latent.clone(), ctx)
         for name, a, b in zip(("q_nope", "q_pe", "kv_latent", "k_pe"), got, attn.backend.seen):
             torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
     finally:

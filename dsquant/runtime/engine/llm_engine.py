@@ -101,11 +101,16 @@ def build_runner(path: Path, c: EngineConfig, device: torch.device, reader=None,
         from dsquant.runtime.layers.attention_triton import TritonPagedAttention
         from dsquant.runtime.layers.moe import FusedMoE
 
+        from dsquant.runtime.layers.fused_linear import fuse_mla_input_projections
+
         attention, moe = TritonPagedAttention(), FusedMoE()
+        sharded = parallel is not None and parallel.world_size > 1  # q_proj is split by heads there, kv_a is not
 
         def prepare(decoder_layer):  # before each Linear repacks (and drops) its checkpoint tensors
             attention.prepare(decoder_layer)
             moe.prepare(decoder_layer)
+            if not sharded:
+                fuse_mla_input_projections(decoder_layer)
     else:
         from dsquant.runtime.layers.attention import TorchPagedAttention
         from dsquant.runtime.layers.moe import LoopMoE

@@ -16,7 +16,8 @@ Triton launch each; scripts/count_decode_ops.py counts them per layer.
                    output, no casts; else an fp32 copy of the weight made once), then softmax /
                    sigmoid, grouped top-k, normalisation and scaling in one moe_route.py launch.
   GatedMLP      -> TritonGatedMLP: silu(gate) * up in one activation.silu_mul launch.
-  MLAttention   -> TritonMLAttention: with the Triton paged backend, norm + rope + cache store + W_UK in
+  MLAttention   -> TritonMLAttention: q (or q_a) and kv_a projections as one GEMM when the loader
+                   fused them (fused_linear.py); with the Triton paged backend, norm + rope + cache store + W_UK in
                    one launch and split merge + W_UV in another (attention_triton.mla_fused); with
                    other backends q_pe and k_pe rotated in place by one rope.py launch.
 All keep the reference numerics up to fp32 rounding (sums rounded to the activation dtype, the
@@ -128,6 +129,15 @@ class TritonGatedMLP(GatedMLP):
 
 
 class TritonMLAttention(MLAttention):
+    def project(self, x: torch.Tensor):
+        fused = getattr(self, "fused_qkv_a", None)  # q (or q_a) and kv_a as one linear (layers/fused_linear.py)
+        if fused is None:
+            return super().project(x)
+        q, latent = fused(x).split(self.qkv_a_sizes, dim=-1)  # [B, T, Nq], [B, T, R + rope]
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q, latent
+
     def attend(self, q: torch.Tensor, latent: torch.Tensor, ctx):
         fused = getattr(self.backend, "mla_fused", None)  # the Triton paged backend's three-launch MLA
         if fused is None or not runs_triton(q):

@@ -1,0 +1,83 @@
+"""One GEMM for two linears that read the same input: MLA's q projection (q_proj, or q_a_proj with
+q LoRA) and kv_a_proj_with_mqa both project the attention input, so at load time (before either
+repacks) their checkpoint tensors are concatenated along the output dimension into one QuantLinear
+`fused_qkv_a` of the same format; TritonMLAttention splits its output. At batch-1 decode that
+replaces two small GEMMs (on the H200, kv_a's 576 outputs took a cuBLAS split-K GEMM plus its
+reduce, 7.6 us) by one slightly larger one.
+
+Concatenation along N, per format (the tensors as the checkpoint stores them):
+  dense      weight [N, K]                                  dim 0
+  fp8_block  weight [N, K], weight_scale_inv [N/128, K/128]   dim 0; the first N must be a multiple of 128
+  awq        qweight/qzeros [.., N/8], scales [.., N]        dim 1; N multiples of 8, same group size
+  gptq       qweight/scales [.., N], qzeros [.., N/8]        dim 1; N multiples of 8, equal g_idx
+Other formats, biases, or mismatched formats keep the two linears.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+from dsquant.runtime.layers.linear import QuantLinear
+
+log = logging.getLogger(__name__)
+
+# format -> (checkpoint tensors concatenated, dim, multiple the first N must be of)
+_CONCAT = {"dense": (("weight",), 0, 1), "fp8_block": (("weight", "weight_scale_inv"), 0, 128),
+           "awq": (("qweight", "qzeros", "scales"), 1, 8), "gptq": (("qweight", "qzeros", "scales"), 1, 8)}
+
+
+def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> QuantLinear | None:
+    """A QuantLinear computing [first(x), second(x)] (loaded, not yet processed), or None when the
+    pair cannot be fused (the reason is logged). Takes the two modules' checkpoint tensors."""
+    fmt = first.method.name
+    why = None
+    if fmt != second.method.name or fmt not in _CONCAT:
+        why = f"formats {fmt} / {second.method.name}"
+    elif first.bias is not None or second.bias is not None:
+        why = "biases"
+    elif first.in_features != second.in_features:
+        why = "input sizes differ"
+    elif first.out_features % _CONCAT[fmt][2]:
+        why = f"{first.prefix} has {first.out_features} outputs, not a multiple of {_CONCAT[fmt][2]}"
+    elif getattr(first.method, "group_size", None) != getattr(second.method, "group_size", None):
+        why = "group sizes differ"
+    elif fmt == "gptq" and not torch.equal(first.g_idx, second.g_idx):
+        why = "g_idx differ"
+    if why is None and any(getattr(m, t, None) is None or t not in m._parameters
+                           for m in (first, second) for t in _CONCAT[fmt][0]):
+        why = "tensors already repacked"
+    if why is not None:
+        log.debug("%s: not fused (%s)", prefix, why)
+        return None
+    names, dim, _ = _CONCAT[fmt]
+    fused = QuantLinear(copy.copy(first.method), prefix, first.in_features,
+                        first.out_features + second.out_features, bias=False)
+    fused.compute_dtype = first.compute_dtype
+    for name in names:
+        a, b = getattr(first, name), getattr(second, name)
+        if a.dtype != b.dtype:
+            b = b.to(a.dtype)
+        fused._parameters[name] = torch.nn.Parameter(torch.cat([a, b], dim=dim), requires_grad=False)
+    if fmt == "gptq":
+        fused._parameters["g_idx"] = first.g_idx
+    for m in (first, second):
+        m._parameters.clear()  # the loader skips linears without tensors
+    return fused
+
+
+def fuse_mla_input_projections(decoder_layer) -> bool:
+    """Give an MLA layer `fused_qkv_a` (processed) and `qkv_a_sizes`; True if it did."""
+    attn = decoder_layer.self_attn
+    if not hasattr(attn, "kv_a_proj_with_mqa"):
+        return False
+    first = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
+    prefix = first.prefix.rpartition(".")[0] + ".fused_qkv_a_proj"
+    fused = concat_linears(first, attn.kv_a_proj_with_mqa, prefix)
+    if fused is None:
+        return False
+    fused.method.process_weights_after_loading(fused)
+    attn.qkv_a_sizes = (first.out_features, attn.kv_a_proj_with_mqa.out_features)
+    attn.fused_qkv_a = fused
+    return True

@@ -1,0 +1,61 @@
+"""concat_linears: one QuantLinear of two (same input, outputs concatenated) gives exactly the two
+outputs side by side, for every format it fuses (CPU path: dequantized weights); refuses pairs it
+cannot fuse and leaves them untouched."""
+import copy
+
+import pytest
+import torch
+
+from dsquant import formats
+from dsquant.runtime.layers.fused_linear import concat_linears
+from dsquant.runtime.layers.linear import QuantLinear
+from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod
+
+K = 256
+
+
+def _linear(fmt: str, n: int, seed: int) -> QuantLinear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, K, generator=g) * 0.05  # [N, K]
+    if fmt == "dense":
+        tensors, method = {"weight": w.to(torch.bfloat16)}, DenseMethod()
+    elif fmt == "fp8_block":
+        q, s = formats.quantize_fp8_block(w)
+        tensors, method = {"weight": q, "weight_scale_inv": s}, FP8BlockMethod()
+    else:
+        q, scales, zeros = formats.quantize_int_groupwise(w, 64)
+        if fmt == "awq":
+            qw, qz, sc = formats.to_awq_tensors(q, scales, zeros)
+            tensors, method = {"qweight": qw, "qzeros": qz, "scales": sc}, AWQMethod(group_size=64)
+        else:
+            qw, qz, sc, gi = formats.to_gptq_tensors(q, scales, zeros, 64)
+            tensors, method = {"qweight": qw, "qzeros": qz, "scales": sc, "g_idx": gi}, GPTQMethod(group_size=64)
+    lin = QuantLinear(method, f"layer.{fmt}{seed}", K, n, bias=False)
+    lin.compute_dtype = torch.bfloat16
+    for name, t in tensors.items():
+        lin._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
+    return lin
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8_block", "awq", "gptq"])
+def test_concat_equals_side_by_side(fmt):
+    first, second = _linear(fmt, 384, 1), _linear(fmt, 72 if fmt != "fp8_block" else 200, 2)
+    refs = []
+    for m in (first, second):
+        m = copy.deepcopy(m)
+        m.method.process_weights_after_loading(m)
+        refs.append(m)
+    fused = concat_linears(first, second, "layer.fused")
+    assert fused is not None and fused.out_features == first.out_features + second.out_features
+    assert not list(first.parameters(recurse=False)) and not list(second.parameters(recurse=False))
+    fused.method.process_weights_after_loading(fused)
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    expect = torch.cat([refs[0](x), refs[1](x)], dim=-1)
+    torch.testing.assert_close(fused(x), expect, atol=0, rtol=0)
+
+
+def test_refuses_what_it_cannot_fuse():
+    a, b = _linear("fp8_block", 200, 1), _linear("fp8_block", 128, 2)  # first N off the 128 grid
+    assert concat_linears(a, b, "x") is None
+    assert list(a.parameters(recurse=False))  # untouched
+    assert concat_linears(_linear("dense", 128, 1), _linear("awq", 128, 2), "x") is None
