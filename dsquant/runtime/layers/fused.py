@@ -12,9 +12,10 @@ Triton launch each; scripts/count_decode_ops.py counts them per layer.
                    experts' output and the decoder's residual add are one moe_sum.py launch. Not under
                    expert parallelism (ExpertParallel): its partial sums are all-reduced by a
                    hook on the module's output, which must then not include the residual.
-  Router        -> TritonRouter: fp32 logits from one GEMM (CUDA bf16/fp16: cuBLAS with fp32
-                   output, no casts; else an fp32 copy of the weight made once), then softmax /
-                   sigmoid, grouped top-k, normalisation and scaling in one moe_route.py launch.
+  Router        -> TritonRouter: fp32 logits from one GEMM (CUDA bf16/fp16: router_gemv.py up to
+                   16 tokens, else cuBLAS with fp32 output, no casts; else an fp32 copy of the weight
+                   made once), then softmax / sigmoid, grouped top-k, normalisation and scaling in one
+                   moe_route.py launch.
   GatedMLP      -> TritonGatedMLP: silu(gate) * up in one activation.silu_mul launch.
   MLAttention   -> TritonMLAttention: q (or q_a) and kv_a projections as one GEMM when the loader
                    fused them (fused_linear.py); with the Triton paged backend, norm + rope + cache store + W_UK in
@@ -96,6 +97,10 @@ class TritonRouter(Router):
         """x [T, H] -> fp32 [T, E] in one GEMM (the reference: linear(x.float(), weight.float()))."""
         w = self.weight
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
+            from dsquant.runtime.kernels.router_gemv import ROUTER_GEMV_MAX_T, router_logits
+
+            if x.shape[0] <= ROUTER_GEMV_MAX_T and w.is_contiguous() and x.stride(-1) == 1:
+                return router_logits(x, w)  # decode: one Triton GEMV launch
             return torch.mm(x, w.t(), out_dtype=torch.float32)  # bf16 products are exact in fp32
         if w.dtype != torch.float32 and self.weight_fp32 is None:
             self.weight_fp32 = w.float()  # once
