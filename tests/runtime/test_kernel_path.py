@@ -88,6 +88,9 @@ def test_cuda_quantized_kernels_match_reference_dequant(scheme, tiny_models, tmp
     torch (FP8 with its dynamic activation quantization, the W8A8 semantics the kernels have);
     for the integer schemes that is also the dense checkpoint of the dequantized weights."""
     _, src = tiny_models["deepseek_v2" if scheme != "gptq" else "llama"]
+    if scheme == "fp8":  # experts 128 wide, so the FP8 grouped GEMMs run (32-wide ones run dequantized)
+        src = tmp_path / "src"
+        build_hf("deepseek_v2", moe_intermediate_size=128).save_pretrained(src)
     quant, dense = write_pair(src, tmp_path, scheme)
     ref = tokens(quant, kernels=False, device="cuda", dtype=torch.bfloat16)
     if scheme != "fp8":
