@@ -15,6 +15,17 @@ import triton.language as tl
 
 
 @triton.jit
+def silu_mul_as_reference(gate, up, DTYPE: tl.constexpr):
+    """fp32 gate/up accumulators -> silu(gate) * up rounded as the reference MLP rounds: each
+    projection's output to DTYPE, silu computed in fp32 and rounded to DTYPE, the product in fp32
+    (the caller rounds it on store). For GEMM epilogues that fuse the activation: before a W8A8
+    down projection re-quantizes it, a last-bit difference here can move an fp8 code."""
+    g = gate.to(DTYPE).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DTYPE).to(tl.float32)
+    return act * up.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, inter, stride_gate, stride_up, stride_out,
                          BLOCK: tl.constexpr, ROUND_SILU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -5,7 +5,8 @@ BLOCK_M-row block). For the pair p = t * top_k + j in a block of expert e:
     out[p, n] = sum_k a[p // a_row_div, k] * W_e[n, k]
 a_row_div = top_k when a is the hidden states [T, K] (gate/up projection) and 1 when a holds one
 row per pair [T*top_k, K] (down projection). Epilogues:
-- gated (w13 stacked gate rows [0, N) then up rows [N, 2N)): out[p, n] = silu(gate) * up,
+- gated (w13 stacked gate rows [0, N) then up rows [N, 2N)): out[p, n] = silu(gate) * up (gate, up
+  and silu rounded to out's dtype as the reference MLP rounds them),
   the SiLU-and-mul fused, out [T*top_k, N];
 - routed: out[p, n] *= topk_weights[p] (fp32 [T*top_k]), out [T*top_k, N].
 Expert weight layouts (GroupedWeight.format), N output rows, K input columns, all experts stacked:
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels.activation import silu_mul_as_reference
 from dsquant.runtime.kernels.moe_align import MoeAlignment
 
 FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
@@ -178,7 +180,7 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = silu_mul_as_reference(acc, acc_up, out_ptr.dtype.element_ty)
     if ROUTED:
         acc = acc * tl.load(topk_w_ptr + pair, mask=row_mask, other=0.0)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]

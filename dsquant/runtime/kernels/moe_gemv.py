@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels.activation import silu_mul_as_reference
 from dsquant.runtime.kernels.moe_gemm import GroupedWeight, _int4_tile
 
 MOE_GEMV_MAX_PAIRS = 16  # fused_moe takes the GEMV for at most this many (token, expert) pairs
@@ -92,7 +93,7 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_ptr, ids_ptr, N
             u1 = u2
     y = tl.sum(acc, axis=1)  # [BN]
     if GATED:
-        y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
+        y = silu_mul_as_reference(y, tl.sum(acc_up, axis=1), out_ptr.dtype.element_ty)
     if ROUTED:
         y = y * tl.load(topk_w_ptr + pair)
     tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
