@@ -11,6 +11,7 @@ unless enforce_eager; their inputs are copied straight into the graphs' static b
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -113,9 +114,7 @@ class ModelRunner:
     def _context(self, positions, slot_mapping, block_tables, q_lens, seq_lens) -> PagedContext:
         """The context from host lists q_lens / seq_lens (torch.tensor each: off the step path)."""
         device = self.config.device
-        cu = [0]
-        for n in q_lens:
-            cu.append(cu[-1] + n)
+        cu = _cu_seqlens(q_lens)
         return self._paged_context(positions, slot_mapping, block_tables,
                                    torch.tensor(seq_lens, dtype=torch.int32, device=device),
                                    torch.tensor(cu, dtype=torch.int32, device=device), q_lens, seq_lens)
@@ -171,9 +170,7 @@ class ModelRunner:
             return StepInputs(g.input_ids[:n_tokens], g.positions[:n_tokens], None, g.rows[:n_tokens], sampling,
                               sampling=SamplingTensors.build(sampling, vocab, samp), graph=True)
         i64, i32 = torch.int64, torch.int32
-        cu = [0]
-        for n in q_lens:
-            cu.append(cu[-1] + n)
+        cu = _cu_seqlens(q_lens)
         ids_t, pos_t, slots_t, rows_t, seq_lens_t, cu_t, table_t, *samp = self.packed.pack(
             [(input_ids, i64), (positions, i64), (slots, i64), (rows + span_rows, i64),
              (seq_lens, i32), (cu, i32), (table, i32)] + sampling_fields)
@@ -217,6 +214,11 @@ class ModelRunner:
             entries = _logprobs(logits[row:row + count], targets, [seq] * count, range(count), "prompt_logprobs")
             seq.prompt_logprobs[start + 1:start + 1 + count] = entries
             row += count
+
+
+def _cu_seqlens(q_lens: list[int]) -> list[int]:
+    """[0, q_lens[0], q_lens[0] + q_lens[1], ...]: each sequence's first row in the flat batch."""
+    return [0, *itertools.accumulate(q_lens)]
 
 
 def _logprobs(logits: torch.Tensor, targets: torch.Tensor, seqs, idx, kind: str) -> list[tuple[float, dict]]:

@@ -57,31 +57,20 @@ class TritonPagedAttention(PagedAttentionBase):
 
     def mla(self, module, q_nope, q_pe, kv_latent, k_pe, ctx: PagedContext):
         from dsquant.runtime.kernels.kv_store import store_latent
-        from dsquant.runtime.kernels.mla_decode import mla_decode_attention, prefill_rows
 
         (kv_cache,) = self.caches_of(module)
         store_latent(kv_latent[0], k_pe[0], kv_cache, ctx.slot_mapping)
         w_uk, w_uv = self._absorbed(module, q_nope.dtype)
-        # q_nope [T, H, nope] -> absorbed [T, H, R]
-        q_abs = torch.einsum("thn,hnr->thr", q_nope[0], w_uk)
+        q_abs = torch.einsum("thn,hnr->thr", q_nope[0], w_uk)  # q_nope [T, H, nope] -> absorbed [T, H, R]
         q_pe = q_pe[0]  # [T, H, rope], a view of q (the kernel takes its strides)
         if q_pe.stride(-1) != 1:
             q_pe = q_pe.contiguous()
-        if ctx.is_decode:
-            block_tables, seq_lens = ctx.block_tables, ctx.seq_lens
-        else:
-            block_tables, seq_lens = prefill_rows(ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables,
-                                                  q_abs.shape[0])
-        latent_out = mla_decode_attention(q_abs, q_pe, kv_cache, block_tables, seq_lens, module.scaling,
-                                          max_seq_len=ctx.max_seq_len)  # [T, H, R]
-        return torch.einsum("thr,hvr->thv", latent_out, w_uv)[None]  # [1, T, H, v]
+        return self._attend_absorbed(module, q_abs, q_pe, kv_cache, w_uv, ctx)
 
     def mla_fused(self, module, q, latent, ctx: PagedContext):
         """q [1, T, H, nope + rope] (q projection, rope part rotated in place), latent [1, T, R + rope]
         (kv_a projection, before its RMSNorm) -> [1, T, H, v]."""
-        from dsquant.runtime.kernels.mla_absorb import MERGE_UV_MAX_ROWS, mla_merge_uv, mla_prepare
-        from dsquant.runtime.kernels.mla_decode import mla_decode_attention, mla_decode_split, prefill_rows
-        from dsquant.runtime.kernels.split_kv_merge import merge_splits
+        from dsquant.runtime.kernels.mla_absorb import mla_prepare
 
         (kv_cache,) = self.caches_of(module)
         w_uk, w_uv = self._absorbed(module, q.dtype)
@@ -91,6 +80,15 @@ class TritonPagedAttention(PagedAttentionBase):
                             ctx.sin.reshape(t, half), w_uk, kv_cache, ctx.slot_mapping,
                             module.rope_interleave)  # [T, H, R]
         q_pe = q[0, :, :, module.qk_nope_head_dim:]  # [T, H, rope], rotated
+        return self._attend_absorbed(module, q_abs, q_pe, kv_cache, w_uv, ctx)
+
+    def _attend_absorbed(self, module, q_abs, q_pe, kv_cache, w_uv, ctx: PagedContext):
+        """q_abs [T, H, R], q_pe [T, H, rope] over the latent cache, back through W_UV -> [1, T, H, v]."""
+        from dsquant.runtime.kernels.mla_absorb import MERGE_UV_MAX_ROWS, mla_merge_uv
+        from dsquant.runtime.kernels.mla_decode import mla_decode_attention, mla_decode_split, prefill_rows
+        from dsquant.runtime.kernels.split_kv_merge import merge_splits
+
+        t = q_abs.shape[0]
         if ctx.is_decode:
             block_tables, seq_lens = ctx.block_tables, ctx.seq_lens
         else:
