@@ -87,14 +87,18 @@ def _merge_ref(part_out, part_lse, w_uv, dtype):
     return torch.einsum("thr,hvr->thv", latent.to(dtype).float(), w_uv.float())
 
 
-@pytest.mark.parametrize("t,splits", [(1, 8), (3, 1), (6, 5), (2, 64)])
-def test_mla_merge_uv(device, t, splits):
+@pytest.mark.parametrize("t,splits,live", [(1, 8, 8), (3, 1, 1), (6, 5, 5), (2, 64, 64), (2, 64, 11)])
+def test_mla_merge_uv(device, t, splits, live):
+    """live < splits: a short context in a launch sized for many splits (only the first `live`
+    hold tokens, split_bounds); the merge reads no further and the rest are NaN garbage."""
     heads, rank, v_dim = 3, 64, 48
     g = torch.Generator().manual_seed(t * 10 + splits)
     part_out = torch.randn(t, heads, splits, rank, generator=g)
     part_lse = torch.randn(t, heads, splits, generator=g) * 4
     part_lse[0, 0, -1] = float("-inf")  # an empty split (its part_out is garbage, must not count)
     part_out[0, 0, -1] = float("nan")
+    part_lse[:, :, live:] = float("-inf")
+    part_out[:, :, live:] = float("nan")
     if t > 1:
         part_lse[1] = float("-inf")  # a padded row: every split empty -> zeros
     w_uv = (torch.randn(heads, v_dim, rank, generator=g) / math.sqrt(rank)).half()

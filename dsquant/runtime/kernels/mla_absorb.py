@@ -137,7 +137,8 @@ def _mla_merge_uv_kernel(
     w_uv_ptr,  # [H, V, RANK]
     out_ptr, stride_ot, stride_oh,  # [T, H, V]
     num_heads, num_splits, v_dim,
-    RANK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    RANK: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -148,15 +149,23 @@ def _mla_merge_uv_kernel(
     lse = tl.load(part_lse_ptr + row + s, mask=s < num_splits, other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # [BLOCK_S], 0 for an empty split
-    total = tl.sum(w, 0)
+    total = tl.sum(tl.exp2(lse - m), 0)  # empty splits weigh 0
     inv = 1.0 / tl.where(total > 0, total, 1.0)
-    live = (lse > float("-inf"))[:, None]
+    # partials are read only up to the last non-empty split: a graph captured with many splits
+    # (max_model_len) replaying a short context leaves most of them empty (split_bounds)
+    live_end = tl.max(tl.where(lse > float("-inf"), s + 1, 0), 0)
+    c = tl.arange(0, CHUNK_S)
     acc = tl.zeros([BLOCK_V], tl.float32)
     for r0 in tl.static_range(0, RANK, BLOCK_R):  # unrolled: every tile's loads can be in flight at once
         r = r0 + tl.arange(0, BLOCK_R)
-        part = tl.load(part_out_ptr + (row + s)[:, None] * RANK + r[None, :], mask=live, other=0.0)  # [BLOCK_S, BLOCK_R]
-        latent = (tl.sum(part * w[:, None], 0) * inv).to(w_uv_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_R]
+        merged = tl.zeros([BLOCK_R], tl.float32)
+        for s0 in range(0, live_end, CHUNK_S):
+            sc = s0 + c  # [CHUNK_S]
+            lse_c = tl.load(part_lse_ptr + row + sc, mask=sc < live_end, other=float("-inf"))
+            part = tl.load(part_out_ptr + (row + sc)[:, None] * RANK + r[None, :],
+                           mask=(lse_c > float("-inf"))[:, None], other=0.0)  # [CHUNK_S, BLOCK_R]
+            merged += tl.sum(part * tl.exp2(lse_c - m)[:, None], 0)
+        latent = (merged * inv).to(w_uv_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_R]
         w_uv = tl.load(w_uv_ptr + (h * v_dim + v[:, None]) * RANK + r[None, :], mask=vmask[:, None],
                        other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
         acc += tl.sum(w_uv * latent[None, :], 1)
@@ -179,10 +188,11 @@ def mla_merge_uv(part_out: torch.Tensor, part_lse: torch.Tensor, w_uv: torch.Ten
         out = torch.empty(t, heads, v_dim, dtype=w_uv.dtype, device=part_out.device)
     if t:
         block_s = max(2, triton.next_power_of_2(splits))
-        block_r = max(16, min(rank, 4096 // block_s))
+        chunk_s = min(block_s, 8)
+        block_r = max(16, min(rank, 4096 // chunk_s))
         block_v = 32
         grid = (t, heads, triton.cdiv(v_dim, block_v))
         _mla_merge_uv_kernel[grid](part_out, part_lse, w_uv, out, out.stride(0), out.stride(1),
-                                   heads, splits, v_dim, RANK=rank, BLOCK_S=block_s, BLOCK_R=block_r,
-                                   BLOCK_V=block_v, num_warps=4)
+                                   heads, splits, v_dim, RANK=rank, BLOCK_S=block_s, CHUNK_S=chunk_s,
+                                   BLOCK_R=block_r, BLOCK_V=block_v, num_warps=4)
     return out

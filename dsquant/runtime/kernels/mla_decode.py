@@ -67,10 +67,11 @@ def _mla_decode_kernel(
     r = tl.arange(0, RANK)
     p = tl.arange(0, ROPE)
     hmask = heads < num_heads
+    qmask = hmask[:, None] & (end > start)  # an empty split reads nothing
     q_nope = tl.load(qn_ptr + b * stride_qnb + heads[:, None] * stride_qnh + r[None, :],
-                     mask=hmask[:, None], other=0.0)  # [BLOCK_H, R]
+                     mask=qmask, other=0.0)  # [BLOCK_H, R]
     q_pe = tl.load(qp_ptr + b * stride_qpb + heads[:, None] * stride_qph + p[None, :],
-                   mask=hmask[:, None], other=0.0)  # [BLOCK_H, P]
+                   mask=qmask, other=0.0)  # [BLOCK_H, P]
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)

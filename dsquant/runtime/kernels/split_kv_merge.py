@@ -4,7 +4,8 @@ A decode kernel that splits each sequence's context into S chunks writes, per (r
 split s), the chunk's softmax-normalised output and its log-sum-exp (base 2, scaled scores):
 - partial_out [B, H, S, Dv] float32, partial_lse [B, H, S] float32 (-inf for an empty chunk).
 The merge weighs each chunk by 2^(lse_s - max lse) and writes out [B, H, Dv] in out's dtype. An
-empty chunk's partial_out is never read (the decode kernels do not store it). A row whose chunks
+empty chunk's partial_out is never read (the decode kernels do not store it), and the merge reads
+partials in chunks of 8 splits only up to the last non-empty one. A row whose chunks
 are all empty (seq_len 0, a padded batch row) gets zeros.
 """
 from __future__ import annotations
@@ -19,23 +20,30 @@ def _merge_kernel(
     part_out_ptr, part_lse_ptr,  # [B, H, S, Dv], [B, H, S] float32, contiguous
     out_ptr, stride_ob, stride_oh,  # [B, H, Dv]
     num_heads, num_splits, head_dim_v,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     s = tl.arange(0, BLOCK_S)
     row = b * num_heads + h
-    smask = s < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=smask, other=float("-inf"))  # [BLOCK_S]
+    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # [BLOCK_S], 0 for empty chunks
+    total = tl.sum(tl.exp2(lse - m), 0)  # empty chunks weigh 0
+    # read partials only up to the last non-empty split (most are empty when a graph captured for
+    # max_model_len replays a short context)
+    live_end = tl.max(tl.where(lse > float("-inf"), s + 1, 0), 0)
     dmask = d < head_dim_v
-    part = tl.load(part_out_ptr + (row * num_splits + s[:, None]) * head_dim_v + d[None, :],
-                   mask=(lse > float("-inf"))[:, None] & dmask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(w, 0)
-    acc = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    c = tl.arange(0, CHUNK_S)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, live_end, CHUNK_S):
+        sc = s0 + c  # [CHUNK_S]
+        lse_c = tl.load(part_lse_ptr + row * num_splits + sc, mask=sc < live_end, other=float("-inf"))
+        part = tl.load(part_out_ptr + (row * num_splits + sc[:, None]) * head_dim_v + d[None, :],
+                       mask=(lse_c > float("-inf"))[:, None] & dmask[None, :], other=0.0)  # [CHUNK_S, BLOCK_D]
+        acc += tl.sum(part * tl.exp2(lse_c - m)[:, None], 0)
+    acc = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
@@ -45,7 +53,8 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torc
     block_d = min(128, triton.next_power_of_2(dim_v))
     grid = (batch, heads, triton.cdiv(dim_v, block_d))
     _merge_kernel[grid](partial_out, partial_lse, out, out.stride(0), out.stride(1),
-                        heads, splits, dim_v, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d)
+                        heads, splits, dim_v, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                        CHUNK_S=min(8, max(2, triton.next_power_of_2(splits))), BLOCK_D=block_d)
 
 
 def num_sms(device: torch.device) -> int:
