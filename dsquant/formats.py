@@ -200,7 +200,11 @@ def quantize_fp8_activations(x: torch.Tensor, group: int = FP8_BLOCK):
     padded = torch.zeros(m, ng * group, dtype=torch.float32, device=x.device)
     padded[:, :k] = x.to(torch.float32)
     groups = padded.view(m, ng, group)  # [M, ng, G]
-    scale = groups.abs().amax(-1).clamp(min=FP8_ACT_SCALE_EPS) / FP8_E4M3_MAX  # [M, ng]
+    amax = groups.abs().amax(-1).clamp(min=FP8_ACT_SCALE_EPS)  # [M, ng]
+    # an IEEE division, as the kernels' div_rn: dividing by a Python scalar, torch on CUDA
+    # multiplies by the reciprocal instead, a last-bit difference in about 1% of the scales that
+    # moves the codes of values at a rounding tie
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
     q = (groups / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return q.view(m, -1)[:, :k].to(torch.float8_e4m3fn).contiguous(), scale
 

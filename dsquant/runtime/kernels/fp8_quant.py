@@ -21,7 +21,7 @@ SCALE_EPS = 1e-10
 def quant_group_fp8(x, AXIS: tl.constexpr):
     """x fp32 tile -> (fp8 e4m3 tile, fp32 scales reduced over AXIS)."""
     amax = tl.max(tl.abs(x), axis=AXIS)
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)  # IEEE division: matches torch
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)  # IEEE division, as formats.quantize_fp8_activations
     q = tl.clamp(tl.math.div_rn(x, tl.expand_dims(scale, AXIS)), -448.0, 448.0).to(tl.float8e4nv)
     return q, scale
 
