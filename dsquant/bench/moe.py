@@ -5,9 +5,12 @@ intermediate 1408, bf16 activations, random weights and inputs. For T tokens and
 - dsquant: fused_moe (moe_align + gate/up grouped GEMM with SiLU-and-mul + down grouped GEMM with
   the routing weights + top-k sum), shared experts run as two extra always-selected experts;
   BF16, INT4 (AWQ g128 repacked) and FP8 block (128x128 weights, per-token-group activations).
-  INT4 with at most moe_gemv.MOE_GEMV_MAX_PAIRS pairs (T = 1 here) runs the per-pair GEMVs
-  instead (no alignment); the "config" column says "gemv" then. --sweep int4 also times the GEMV
-  at every GEMV_SWEEP config, whatever the pair count.
+  INT4 and FP8 with at most moe_gemv.MOE_GEMV_MAX_PAIRS pairs (T <= 2 here) run the per-pair
+  GEMVs instead (no alignment; moe_gemv.py, moe_gemv_fp8.py); the "config" column says "gemv"
+  then. --sweep int4 / fp8 also times that format's GEMV at every GEMV_SWEEP (block_n, warps)
+  and GEMV_SPLITS split_k, whatever the pair count; each row names its block_n, num_warps,
+  split_k asked for and used per projection (split_k_gate_up, split_k_down), "auto" being
+  moe_gemv.default_split_k, what fused_moe runs.
 - peer: transformers' experts forward (loop over the experts hit: gather, gate_up linear,
   silu*mul, down linear, weight, index_add) plus the shared MLP, in bf16 on the same bf16
   weights (the quantized formats are quantized from them). The peer's per-expert token indices
@@ -137,8 +140,11 @@ def _routing(t, device, gen):
 
 
 def _sweep_rows(fmt, t, layers, routing, time_graph):
+    """Each grouped GEMM at every SWEEP config (fp8: on activations quantized beforehand, so the
+    quantize launch is not in the time; the fp8 GEMV rows include their in-kernel quantization)."""
     import torch
 
+    from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8
     from dsquant.runtime.kernels.moe_align import moe_align_block_size
     from dsquant.runtime.kernels.moe_gemm import GemmConfig, moe_gemm
 
@@ -151,12 +157,13 @@ def _sweep_rows(fmt, t, layers, routing, time_graph):
                 align = moe_align_block_size(ids8, w.num_experts, cfg.block_m)
                 a = x if gated else torch.randn(ids8.numel(), I, device=x.device, dtype=x.dtype)
                 out = torch.empty(ids8.numel(), I if gated else H, device=x.device, dtype=x.dtype)
-                args.append((a, w.w13 if gated else w.w2, align, out, tw8))
+                a, a_s = quantize_act_fp8(a) if fmt == "fp8" else (a, None)
+                args.append((a, a_s, w.w13 if gated else w.w2, align, out, tw8))
 
             def run(args=args, gated=gated):
-                for a, w, align, out, tw8 in args:
+                for a, a_s, w, align, out, tw8 in args:
                     moe_gemm(a, w, align, out, cfg, a_row_div=TOP_K + N_SHARED if gated else 1, gated=gated,
-                             topk_weights=None if gated else tw8)
+                             topk_weights=None if gated else tw8, a_scale=a_s)
             try:
                 times.append(time_graph(run) / len(args))
             except Exception as exc:  # a config that does not compile or fit is reported, not fatal
@@ -164,42 +171,58 @@ def _sweep_rows(fmt, t, layers, routing, time_graph):
                 click.echo(f"  sweep {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
         rows.append({"format": fmt, "tokens": t, "config": str(cfg), "gate_up_us": times[0], "down_us": times[1]})
         click.echo(f"  sweep {fmt} T={t} {cfg}: gate/up {times[0]:.1f} us, down {times[1]:.1f} us")
-    if fmt == "int4":
-        rows += _sweep_gemv_rows(t, layers, routing, time_graph)
+    if fmt in ("int4", "fp8"):
+        rows += _sweep_gemv_rows(fmt, t, layers, routing, time_graph)
     return rows
 
 
 GEMV_SWEEP = [(16, 1), (16, 2), (32, 1), (32, 2), (64, 4)]  # (block_n, num_warps)
+GEMV_SPLITS = [1, 2, 4, 8, None]  # split_k; None = moe_gemv.default_split_k ("auto")
 
 
-def _sweep_gemv_rows(t, layers, routing, time_graph):
-    """The INT4 per-pair GEMV (moe_gemv.py) at every GEMV_SWEEP config, whatever the pair count."""
+def _sweep_gemv_rows(fmt, t, layers, routing, time_graph):
+    """The per-pair GEMV of `fmt` (moe_gemv.py / moe_gemv_fp8.py) at every GEMV_SWEEP x
+    GEMV_SPLITS config, whatever the pair count; then the fastest config per projection."""
     import torch
 
-    from dsquant.runtime.kernels.moe_gemv import moe_gemv_int4
+    from dsquant.runtime.kernels.moe_gemv import default_split_k, effective_split, moe_gemv_int4
+    from dsquant.runtime.kernels.moe_gemv_fp8 import moe_gemv_fp8
 
+    gemv = moe_gemv_int4 if fmt == "int4" else moe_gemv_fp8
+    pairs = t * (TOP_K + N_SHARED)
     rows = []
-    for block_n, warps in GEMV_SWEEP:
-        times = []
+    for (block_n, warps), split in [(c, s) for c in GEMV_SWEEP for s in GEMV_SPLITS]:
+        times, used = [], []
         for gated in (True, False):
+            n_out, k = (I, H) if gated else (H, I)
+            used.append(effective_split(split, k // 128) if split else default_split_k(pairs, n_out, k, block_n))
             args = []
             for w, (x, _, _, (tw8, ids8)) in zip(layers, routing):
                 a = x if gated else torch.randn(ids8.numel(), I, device=x.device, dtype=x.dtype)
-                out = torch.empty(ids8.numel(), I if gated else H, device=x.device, dtype=x.dtype)
+                out = torch.empty(ids8.numel(), n_out, device=x.device, dtype=x.dtype)
                 args.append((a, w.w13 if gated else w.w2, ids8.contiguous(), out, tw8))
 
             def run(args=args, gated=gated):
                 for a, w, ids8, out, tw8 in args:
-                    moe_gemv_int4(a, w, ids8, out, a_row_div=TOP_K + N_SHARED if gated else 1, gated=gated,
-                                  topk_weights=None if gated else tw8, block_n=block_n, num_warps=warps)
+                    gemv(a, w, ids8, out, a_row_div=TOP_K + N_SHARED if gated else 1, gated=gated,
+                         topk_weights=None if gated else tw8, block_n=block_n, num_warps=warps, split_k=split)
             try:
                 times.append(time_graph(run) / len(args))
             except Exception as exc:  # a config that does not compile or fit is reported, not fatal
                 times.append(float("nan"))
-                click.echo(f"  gemv sweep {block_n}/{warps}: {type(exc).__name__}: {str(exc)[:120]}")
-        cfg = f"gemv(block_n={block_n}, num_warps={warps})"
-        rows.append({"format": "int4", "tokens": t, "config": cfg, "gate_up_us": times[0], "down_us": times[1]})
-        click.echo(f"  sweep int4 T={t} {cfg}: gate/up {times[0]:.1f} us, down {times[1]:.1f} us")
+                click.echo(f"  gemv sweep {block_n}/{warps}/{split}: {type(exc).__name__}: {str(exc)[:120]}")
+        label = split if split else "auto"
+        cfg = f"gemv(block_n={block_n}, num_warps={warps}, split_k={label})"
+        rows.append({"format": fmt, "tokens": t, "config": cfg, "kernel": "gemv", "block_n": block_n,
+                     "num_warps": warps, "split_k": label, "split_k_gate_up": used[0], "split_k_down": used[1],
+                     "gate_up_us": times[0], "down_us": times[1]})
+        click.echo(f"  sweep {fmt} T={t} {cfg}: gate/up {times[0]:.1f} us (split {used[0]}), "
+                   f"down {times[1]:.1f} us (split {used[1]})")
+    for key in ("gate_up_us", "down_us"):
+        timed = [r for r in rows if r[key] == r[key]]  # not NaN
+        if timed:
+            best = min(timed, key=lambda r: r[key])
+            click.echo(f"  best {fmt} T={t} {key[:-3]}: {best['config']} {best[key]:.1f} us")
     return rows
 
 
@@ -246,7 +269,7 @@ def moe(json_path, tokens, fmts, layers, sweep_fmts, sweep_tokens):
             outs = fn()
             graph, eager = (v / layers for v in time_graph_and_eager(fn))
             cfg13, _ = pick_configs(t * (TOP_K + N_SHARED), E + N_SHARED, fmt, 128)
-            path = ("gemv" if fmt == "int4" and t * (TOP_K + N_SHARED) <= MOE_GEMV_MAX_PAIRS
+            path = ("gemv" if fmt in ("int4", "fp8") and t * (TOP_K + N_SHARED) <= MOE_GEMV_MAX_PAIRS
                     else str(cfg13))
             align_us = []
             for method in ("triton", "torch"):

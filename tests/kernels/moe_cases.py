@@ -51,5 +51,15 @@ def random_topk(t: int, e: int, k: int, device, experts=None):
     return torch.rand(t, k, device=device) + 0.1, ids
 
 
+def pair_reference(a, dense, ids, a_row_div, gated, tw=None):
+    """float64 [P, N]: per pair p, a[p // a_row_div] @ W_e^T, then silu(gate) * up or * tw[p]."""
+    rows = [a[p // a_row_div].double() @ dense[e].double().t() for p, e in enumerate(ids.reshape(-1).tolist())]
+    ref = torch.stack(rows)  # [P, N_rows]
+    if gated:
+        gate, up = ref.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    return ref * tw.reshape(-1, 1).double()
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())

@@ -43,6 +43,7 @@ class GroupedWeight:
     group_size: int = 0
     n: int = 0  # output rows per expert (2I for a stacked w13)
     k: int = 0  # input columns
+    splitk_counters: torch.Tensor | None = None  # int32, zero: split-K counters of the per-pair GEMVs
 
     @property
     def num_experts(self) -> int:

@@ -1,4 +1,4 @@
-"""Tile order and split-K epilogue shared by the W4A16 and FP8 GEMM kernels (`triton.jit` helpers).
+"""Tile order and split-K epilogue shared by the W4A16, FP8 and MoE GEMV kernels (`triton.jit` helpers).
 
 `swizzled_tile` maps a program id to its (n-tile, m-tile): SWIZZLE consecutive n-tiles are visited
 for every m-tile before moving on, so their weight columns stay in L2 across the m-tiles.
@@ -11,7 +11,9 @@ tile stores its partial into `part` [split_k, M, N] fp32, then bumps the tile's 
 split order (so the result does not depend on which program finished last), writes out and
 resets the counter to zero, leaving the counters ready for the next launch. One launch, no
 memset and no second reduction kernel: what a CUDA-graph decode step wants. split_k is a run-time
-argument, so one compiled kernel serves every split factor.
+argument, so one compiled kernel serves every split factor. `reduce_splits` is that
+protocol without the store, for kernels that apply their own epilogue to the reduced tile
+(moe_gemv's gated SiLU-and-mul or routing weight).
 """
 import torch
 import triton
@@ -49,6 +51,28 @@ def split_range(pid_k, num_chunks, split_k):
 
 
 @triton.jit
+def reduce_splits(acc, part_ptrs, mask, split_stride, counters_ptr, tile_id, pid_k, split_k):
+    """One-launch split-K reduction of a tile (split_k > 1), for kernels with their own epilogue.
+
+    acc: this program's fp32 partial (any shape); part_ptrs (acc's shape): where split 0 keeps the
+    tile's partial, split s at part_ptrs + s * split_stride; mask: the tile's valid elements;
+    counters_ptr + tile_id: the tile's int32 counter, zero on entry. Returns (last, total): last
+    is true in exactly one program of the tile, the last to arrive, where total = the sum of the
+    split_k partials in split order (deterministic) and the counter has been reset to zero; in the
+    others total is zeros and must not be stored."""
+    tl.store(part_ptrs + pid_k * split_stride, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before the counter moves
+    arrived = tl.atomic_add(counters_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+    last = arrived == split_k - 1
+    total = tl.zeros_like(acc)
+    if last:
+        for s in range(split_k):
+            total += tl.load(part_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(counters_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+    return last, total
+
+
+@triton.jit
 def store_tile(acc, out_ptr, part_ptr, counters_ptr, offs_n, offs_m, M, N, stride_om,
                tile_id, pid_k, split_k):
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)  # [BN, BM]
@@ -56,14 +80,7 @@ def store_tile(acc, out_ptr, part_ptr, counters_ptr, offs_n, offs_m, M, N, strid
     if split_k == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        mn = M * N
         part = part_ptr + offs_m[None, :] * N + offs_n[:, None]  # [BN, BM] in one split's slice
-        tl.store(part + pid_k * mn, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        arrived = tl.atomic_add(counters_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:
-            total = tl.zeros_like(acc)
-            for s in range(split_k):
-                total += tl.load(part + s * mn, mask=mask, other=0.0, cache_modifier=".cg")
+        last, total = reduce_splits(acc, part, mask, M * N, counters_ptr, tile_id, pid_k, split_k)
+        if last:
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(counters_ptr + tile_id, 0, sem="relaxed", scope="gpu")

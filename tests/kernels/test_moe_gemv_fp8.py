@@ -1,0 +1,105 @@
+"""FP8 block expert GEMV (W8A8, decode-sized MoE) against float64 and against the grouped fp8 path.
+
+Properties: for the gated and the routed epilogue and split_k 1, 2, 3 (5 K blocks: uneven
+splits), with a partial 128-row scale block (N = 200), the GEMV equals the float64 product of the
+fp8 activations and weights it consumed; poisoned outputs are fully written; split-K counters are
+left zero. fused_moe's GEMV path (T * top_k <= MOE_GEMV_MAX_PAIRS) gives the grouped fp8 GEMMs'
+result. CPU runs fp16 with activations quantized by torch (the interpreter mis-rounds in-kernel
+fp8 casts); the GPU runs the in-kernel quantizer in bf16 at V2-Lite shapes.
+"""
+import pytest
+import torch
+
+from dsquant.runtime.kernels.fused_moe import fused_moe, pick_configs
+from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8, quantize_act_fp8_torch
+from dsquant.runtime.kernels.moe_gemv import MOE_GEMV_MAX_PAIRS
+from dsquant.runtime.kernels.moe_gemv_fp8 import moe_gemv_fp8
+from dsquant.runtime.kernels.reference_moe import fp8_act_roundtrip, moe_experts_reference
+from tests.kernels.moe_cases import make_experts, make_projection, pair_reference, random_topk, rel_err
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_moe_gemv_fp8_matches_dense(gated, split_k, device):
+    """K = 640: 5 blocks (split 2: 3 + 2, split 3: 2 + 2 + 1); gated N = 128 (w13 256 rows, the
+    up rows in the second scale block), routed N = 200 (a partial scale block); 6 pairs."""
+    e, k, t, top_k = 5, 640, 2, 3
+    n = 128 if gated else 200
+    g, dense = make_projection("fp8", torch.randn(e, 2 * n if gated else n, k, device=device) / k ** 0.5,
+                               torch.float16)
+    tw, ids = random_topk(t, e, top_k, device)
+    div = top_k if gated else 1
+    a = torch.randn(t * top_k // div, k, dtype=torch.float16, device=device)
+    aq, a_s = quantize_act_fp8_torch(a)  # [rows, K] e4m3, [rows, 5]
+    out = torch.full((t * top_k, n), float("nan"), dtype=torch.float16, device=device)
+    moe_gemv_fp8(aq, g, ids, out, a_row_div=div, gated=gated, topk_weights=None if gated else tw,
+                 a_scale=a_s, block_n=16, split_k=split_k)
+    assert torch.isfinite(out).all(), "some output element was not written"
+    ref = pair_reference(fp8_act_roundtrip(a), dense, ids, div, gated, tw)
+    assert rel_err(out, ref) < 4e-3
+    assert int(g.splitk_counters.abs().sum()) == 0, "split-K counters must be left zero"
+
+
+@pytest.mark.parametrize("t,k", [(1, 6), (2, 8), (3, 5)])
+def test_fused_moe_fp8_gemv_path_matches_grouped(t, k, device):
+    """The per-pair GEMV path and the aligned grouped GEMMs consume the same fp8 codes and scales;
+    their results differ by fp32 summation order only (a rare 1-ulp intermediate can move a
+    re-quantized code: hence a tolerance, not equality)."""
+    assert t * k <= MOE_GEMV_MAX_PAIRS  # these take the GEMV path
+    weights, d13, d2 = make_experts("fp8", 8, 256, 128, torch.float16, device)
+    hidden = torch.randn(t, 256, dtype=torch.float16, device=device)
+    tw, ids = random_topk(t, 8, k, device)
+    out = fused_moe(hidden, weights, tw, ids)
+    grouped = fused_moe(hidden, weights, tw, ids, configs=pick_configs(t * k, 8, "fp8"))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, grouped.double()) < 2e-3
+    assert rel_err(out, moe_experts_reference(hidden, d13, d2, tw, ids, fp8_acts=True)) < 3e-2
+
+
+def test_moe_gemv_fp8_rejects_missing_scale(device):
+    g, _ = make_projection("fp8", torch.randn(2, 128, 128, device=device), torch.float16)
+    ids = torch.zeros(1, 2, dtype=torch.int64, device=device)
+    aq, _ = quantize_act_fp8_torch(torch.randn(2, 128, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="a_scale"):
+        moe_gemv_fp8(aq, g, ids, torch.empty(2, 128, dtype=torch.float16, device=device), 1, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [1, 2, 4, 8])
+def test_moe_gemv_fp8_v2_lite_bf16(split_k):
+    """V2-Lite shapes (66 experts, H 2048, I 1408), bf16, 8 pairs: the in-kernel quantizer gives
+    the result of the pre-quantized path (same quant_group_fp8 arithmetic), both within W8A8
+    accuracy of float64; counters reset after every launch."""
+    weights, d13, d2 = make_experts("fp8", 66, 2048, 1408, torch.bfloat16, "cuda")
+    tw, ids = random_topk(1, 66, 8, "cuda")
+    hidden = torch.randn(1, 2048, dtype=torch.bfloat16, device="cuda")
+    act_in = torch.randn(8, 1408, dtype=torch.bfloat16, device="cuda")
+    for w, dense, a, div, gated, n in ((weights.w13, d13, hidden, 8, True, 1408),
+                                       (weights.w2, d2, act_in, 1, False, 2048)):
+        kw = dict(a_row_div=div, gated=gated, topk_weights=None if gated else tw, block_n=16,
+                  num_warps=2, split_k=split_k)
+        out = torch.full((8, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        moe_gemv_fp8(a, w, ids, out, **kw)
+        assert torch.isfinite(out).all() and int(w.splitk_counters.abs().sum()) == 0
+        aq, a_s = quantize_act_fp8(a)
+        pre = moe_gemv_fp8(aq, w, ids, torch.empty_like(out), a_scale=a_s, **kw)
+        assert rel_err(out, pre.double()) < 2e-3
+        ref = pair_reference(fp8_act_roundtrip(a), dense, ids, div, gated, tw)
+        assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2])
+def test_fused_moe_fp8_gemv_v2_lite_bf16(t):
+    """V2-Lite layer (64 routed top-6 + 2 shared as experts), bf16: GEMV path vs grouped GEMMs
+    and vs the float64 W8A8 reference."""
+    from dsquant.runtime.kernels.fused_moe import with_shared_experts
+
+    weights, d13, d2 = make_experts("fp8", 66, 2048, 1408, torch.bfloat16, "cuda")
+    hidden = torch.randn(t, 2048, dtype=torch.bfloat16, device="cuda")
+    tw, ids = with_shared_experts(*random_topk(t, 64, 6, "cuda"), 64, 2)
+    out = fused_moe(hidden, weights, tw, ids)
+    grouped = fused_moe(hidden, weights, tw, ids, configs=pick_configs(t * 8, 66, "fp8"))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, grouped.double()) < 3e-2  # Hopper's fp8 MMA accumulates in reduced precision
+    assert rel_err(out, moe_experts_reference(hidden, d13, d2, tw, ids, fp8_acts=True)) < 3e-2
