@@ -5,9 +5,9 @@ intermediate 1408, bf16 activations, random weights and inputs. For T tokens and
 - dsquant: fused_moe (moe_align + gate/up grouped GEMM with SiLU-and-mul + down grouped GEMM with
   the routing weights + top-k sum), shared experts run as two extra always-selected experts;
   BF16, INT4 (AWQ g128 repacked) and FP8 block (128x128 weights, per-token-group activations).
-  INT4 and FP8 with at most moe_gemv.MOE_GEMV_MAX_PAIRS pairs (T <= 2 here) run the per-pair
-  GEMVs instead (no alignment; moe_gemv.py, moe_gemv_fp8.py); the "config" column says "gemv"
-  then. --sweep int4 / fp8 also times that format's GEMV at every GEMV_SWEEP (block_n, warps)
+  INT4 with at most moe_gemv.MOE_GEMV_MAX_PAIRS pairs (T <= 2 here) runs the per-pair GEMVs
+  instead (no alignment; moe_gemv.py); the "config" column says "gemv" then. FP8's per-pair GEMV
+  (moe_gemv_fp8.py) is not dispatched (slower); --sweep int4 / fp8 also times that format's GEMV at every GEMV_SWEEP (block_n, warps)
   and GEMV_SPLITS split_k, whatever the pair count; each row names its block_n, num_warps,
   split_k asked for and used per projection (split_k_gate_up, split_k_down), "auto" being
   moe_gemv.default_split_k, what fused_moe runs.
@@ -269,7 +269,7 @@ def moe(json_path, tokens, fmts, layers, sweep_fmts, sweep_tokens):
             outs = fn()
             graph, eager = (v / layers for v in time_graph_and_eager(fn))
             cfg13, _ = pick_configs(t * (TOP_K + N_SHARED), E + N_SHARED, fmt, 128)
-            path = ("gemv" if fmt in ("int4", "fp8") and t * (TOP_K + N_SHARED) <= MOE_GEMV_MAX_PAIRS
+            path = ("gemv" if fmt == "int4" and t * (TOP_K + N_SHARED) <= MOE_GEMV_MAX_PAIRS
                     else str(cfg13))
             align_us = []
             for method in ("triton", "torch"):

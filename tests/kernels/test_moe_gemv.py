@@ -93,9 +93,10 @@ def test_split_k_rule():
     """No split is left empty; the default fills the H200 several times at V2-Lite T = 1 shapes
     while keeping >= 2 K tiles per split, and never splits a single-tile K."""
     assert effective_split(8, 11) == 6 and effective_split(4, 16) == 4 and effective_split(9, 3) == 3
-    assert default_split_k(8, 1408, 2048, 16) == 4  # gate/up: 704 tiles x 16 K tiles
-    assert default_split_k(8, 2048, 1408, 16) == 3  # down: 1024 tiles x 11 K tiles
-    assert default_split_k(16, 1408, 2048, 16) == 2
+    assert default_split_k(8, 1408, 2048, 16) == 2  # gate/up: 704 tiles x 16 K tiles
+    assert default_split_k(8, 2048, 1408, 16) == 2  # down: 1024 tiles x 11 K tiles
+    assert default_split_k(16, 1408, 2048, 16) == 1
+    assert default_split_k(1, 1408, 2048, 16) == 8  # one pair: 88 tiles
     assert default_split_k(4, 64, 128, 16) == 1
 
 

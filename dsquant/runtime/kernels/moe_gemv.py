@@ -33,9 +33,12 @@ from dsquant.runtime.kernels.moe_gemm import GroupedWeight, _int4_tile
 from dsquant.runtime.kernels.splitk import reduce_splits, split_range, splitk_buffers
 
 MOE_GEMV_MAX_PAIRS = 16  # fused_moe takes the GEMV for at most this many (token, expert) pairs
-# split-K rule: aim for about this many programs (H200: 132 SMs x 24 resident two-warp programs,
-# of the 32 an SM can hold), each split keeping >= 2 K tiles so the two-tile prefetch has work
-MOE_GEMV_TARGET_PROGRAMS = 132 * 24
+# split-K rule: at least this many programs (about 10.6 one-warp programs per SM on 132 SMs), each
+# split keeping >= 2 K tiles so the two-tile prefetch has work. From `dsquant bench moe --sweep
+# int4 --sweep-tokens 1,2` on the H200 (2026-11-29, V2-Lite layer, block_n 16, 1 warp): T = 1
+# (704 | 1024 programs unsplit) split 2 gave gate/up 17.6 us, down 10.5 (split 1: 21.2 | 12.9;
+# 4: 19.1 | 11.1); T = 2 (1408 | 2048) split 1 was best (29.5 | 16.5; split 2: 30.9 | 18.5)
+MOE_GEMV_TARGET_PROGRAMS = 1400
 
 
 def effective_split(split_k: int, k_tiles: int) -> int:
@@ -47,10 +50,10 @@ def effective_split(split_k: int, k_tiles: int) -> int:
 
 def default_split_k(pairs: int, n_out: int, k: int, block_n: int) -> int:
     """Split-K factor for one projection (MOE_GEMV_TARGET_PROGRAMS rule). V2-Lite at T = 1
-    (8 pairs, block_n 16): gate/up 704 tiles x 16 K tiles -> 4; down 1024 x 11 -> 3."""
+    (8 pairs, block_n 16): gate/up 704 tiles x 16 K tiles -> 2; down 1024 x 11 -> 2; T = 2: 1."""
     programs = pairs * triton.cdiv(n_out, block_n)
     k_tiles = triton.cdiv(k, 128)
-    want = (MOE_GEMV_TARGET_PROGRAMS + programs // 2) // max(programs, 1)
+    want = -(-MOE_GEMV_TARGET_PROGRAMS // max(programs, 1))
     return effective_split(max(1, min(k_tiles // 2, want)), k_tiles)
 
 

@@ -1,6 +1,11 @@
 """FP8 block expert GEMV (W8A8) for decode-sized MoE batches: moe_gemv's per-pair structure for
 DeepSeek-V3 block experts, no moe_align pass, no MMA.
 
+Not dispatched by fused_moe: on the H200 (V2-Lite layer, T = 1) it took 32.5 | 17.6 us for gate/up
+| down against the grouped MMA kernel's 15.4 | 9.6 us plus a 5.2 us align (the per-element
+e4m3 -> fp32 conversion and in-kernel quantization cost more than the align saves). Kept for
+`dsquant bench moe --sweep fp8`, which times both.
+
 Layouts: weight float8_e4m3fn [E, N_rows, K] (N_rows = 2N for a stacked gate/up w13), scale_inv
 fp32 [E, ceil(N_rows/128), ceil(K/128)] (moe_gemm's "fp8"); a [rows, K] bf16/fp16 with unit
 column stride, quantized in the kernel, or already quantized: a float8_e4m3fn [rows, K] with
