@@ -73,22 +73,24 @@ def test_prompt_fully_cached_still_computes_its_last_token(tiny_models):
     assert eng.block_manager.prefix_cache_hits == 12  # the block holding the last token is recomputed
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("family", ["qwen2", "deepseek_v2"])
-def test_preemption_completes_every_request_identically(family, tiny_models):
+def test_preemption_completes_every_request_identically(family, async_scheduling, tiny_models):
     """14 blocks of 4 tokens cannot hold 6 requests of up to 24 tokens at once."""
     _, path = tiny_models[family]
     prompts = random_prompts(6, [12, 19, 8], seed=5)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     ample = run_all(engine(path, enable_prefix_caching=False), prompts, params)
-    tight = engine(path, num_blocks=14, enable_prefix_caching=False)
+    tight = engine(path, num_blocks=14, enable_prefix_caching=False, async_scheduling=async_scheduling)
     assert run_all(tight, prompts, params) == ample
     assert tight.scheduler.num_preemptions > 0
     assert_no_leak(tight)
 
 
-def test_abort_frees_blocks(tiny_models):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_frees_blocks(async_scheduling, tiny_models):
     _, path = tiny_models["llama"]
-    eng = engine(path)
+    eng = engine(path, async_scheduling=async_scheduling)
     ids = [eng.add_request(p, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
            for p in random_prompts(3, [9, 30], seed=6)]
     eng.step()
@@ -100,15 +102,16 @@ def test_abort_frees_blocks(tiny_models):
     assert_no_leak(eng)
 
 
-def test_stop_token_and_max_model_len(tiny_models):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_token_and_max_model_len(async_scheduling, tiny_models):
     _, path = tiny_models["llama"]
     prompt = random_prompts(1, [10], seed=7)[0]
-    eng = engine(path)
+    eng = engine(path, async_scheduling=async_scheduling)
     free_run = run_all(eng, [prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     stop_at = free_run[2]
     eng.add_request(prompt, SamplingParams(max_tokens=5, temperature=0, stop_token_ids=[stop_at]))
     outs = [o for _ in range(10) for o in eng.step()]
     assert outs[-1].finish_reason == "stop" and outs[-1].token_ids == free_run[:free_run.index(stop_at) + 1]
-    short = engine(path, max_model_len=12)
+    short = engine(path, max_model_len=12, async_scheduling=async_scheduling)
     eng_out = run_all(short, [prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert eng_out == free_run[:2]  # 10 prompt tokens + 2 generated reach max_model_len

@@ -3,10 +3,13 @@
 The static inputs are views of one packed int64 buffer, laid out for max_batch rows:
     input_ids [b] int64 | positions [b] int64 | slot_mapping [b] int64 | seq_lens [b] int32
 followed by the block-table staging area ([n, W] int32, this step's width W) and the step's
-sampling fields. A step's host values go straight into it in one host -> device copy
-(PackedCopy.pack with out=packed), and one device copy moves the staged block table into the
-static block_tables [b, max_blocks]. A batch of n decodes is padded to the next bucket with rows
-that store nothing (slot -1) and attend to nothing (seq_len 0, so the kernels write zeros). Rope
+extra fields: under async scheduling the rows of placeholder input ids and their source rows
+(int64 each, when not in order), then the sampling fields. A step's host values go straight
+into it in one host -> device copy (PackedCopy.pack with out=packed), and one device copy moves
+the staged block table into the static block_tables [b, max_blocks]; placeholder input ids are
+then filled from the previous step's tokens (model_runner.py). A batch of n decodes is padded
+to the next bucket with rows that store nothing (slot -1) and attend to nothing (seq_len 0, so
+the kernels write zeros). Rope
 cos/sin are computed inside the graph from the static positions. The attention kernels are
 launched with max_seq_len = max_model_len so one capture serves every context length. Logits of
 the first n rows are returned; sampling runs outside the graph.
@@ -35,8 +38,9 @@ class DecodeGraphs:
         self.max_blocks = -(-c.max_model_len // c.block_size)
         i64, i32 = torch.int64, torch.int32
         self.fields = [(b, i64), (b, i64), (b, i64), (b, i32)]
-        # room for the fixed fields, a full block table and sampling fields of b rows
-        _, total = layout(self.fields + [(b * self.max_blocks, i32), (b, torch.float32), (b, torch.float32), (b, i32)])
+        # room for the fixed fields, a full block table, placeholder rows / sources and sampling fields of b rows
+        _, total = layout(self.fields + [(b * self.max_blocks, i32), (b, i64), (b, i64),
+                                         (b, torch.float32), (b, torch.float32), (b, i32)])
         self.packed = torch.zeros(total, dtype=i64, device=dev)
         self.input_ids, self.positions, self.slot_mapping, self.seq_lens = views(self.packed, self.fields)
         self.slot_mapping.fill_(-1)

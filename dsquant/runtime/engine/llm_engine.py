@@ -4,6 +4,9 @@
     engine.add_request("Hello", SamplingParams(max_tokens=8, temperature=0))
     while engine.has_unfinished():
         for out in engine.step(): ...
+
+With async_scheduling, step() launches the next step before reading the previous one's tokens
+and returns the previous step's outputs (async_step.py); the loop above sees every token.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 
 from dsquant.errors import DsquantError
 from dsquant.models.layers import Backends
+from dsquant.runtime.engine.async_step import LaunchedStep, launch_step, must_drain
 from dsquant.runtime.engine.block_manager import BlockManager
 from dsquant.runtime.engine.detokenizer import IncrementalDetokenizer
 from dsquant.runtime.engine.model_runner import ModelRunner, RunnerConfig
@@ -44,6 +48,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # processes, one per GPU (gloo processes on CPU); runtime/parallel
     kernels: bool | None = None  # Triton attention, fused MoE and quantized GEMMs; None: on CUDA (False: pure torch
     # everywhere, the reference path; True on CPU runs attention/MoE under TRITON_INTERPRET=1)
+    async_scheduling: bool = False  # launch step N + 1 before reading step N's tokens (async_step.py);
+    # off under tensor parallelism
 
 
 @dataclass
@@ -165,6 +171,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(self.path, cfg)
         self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
         self._ids = itertools.count()
+        self.async_scheduling = c.async_scheduling and self.workers is None
+        self.pending: LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
 
     def _allocate_kv_cache(self, device: torch.device, max_model_len: int) -> int:
         c = self.config
@@ -218,49 +226,69 @@ class LLMEngine:
         if entry is None:
             return False
         self.scheduler.finish(entry[0], "abort")
+        if self.pending is not None and not self.scheduler.has_unfinished():
+            self._finish_step(self.pending)  # its tokens are all dropped now
+            self.pending = None
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.pending is not None
 
     # ------------------------------------------------------------------ stepping
-    def _check_stop(self, seq: Sequence, token: int, detok) -> str | None:
+    def _check_stop(self, seq: Sequence, token: int, detok, num_tokens: int) -> str | None:
+        """Why seq stops at `token`, its num_tokens-th token (prompt included), or None."""
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if detok is not None and detok.stopped_on is not None:
             return "stop"
-        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; read and post-process the tokens of the step launched
+        before it (async scheduling) or of this one (otherwise); return their outputs."""
+        pending, outputs = self.pending, []
+        if pending is not None and must_drain(pending, self.scheduler):
+            outputs, pending = self._finish_step(pending), None
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        samples = batch.samples()
-        tokens = iter(self.runner.execute(batch))
-        now, outputs = time.monotonic(), []
-        for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, samples):
-            seq.num_computed_tokens += n
-            if not samp:
-                self.block_manager.register_full_blocks(seq)
+        launched = launch_step(self.runner, batch, self.max_model_len, pending) if batch.seqs else None
+        if pending is not None:
+            outputs = self._finish_step(pending)  # the GPU runs `launched` meanwhile
+        if launched is not None and (not self.async_scheduling or not self.scheduler.has_unfinished()):
+            outputs, launched = outputs + self._finish_step(launched), None  # sync, or nothing left to return
+        self.pending = launched
+        return outputs
+
+    def _finish_step(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens; put them in place of their placeholders, register full
+        blocks, detokenize, check stops, build the outputs. Tokens of sequences finished meanwhile
+        (aborted, or stopped a step earlier) are dropped."""
+        tokens = iter(step.tokens.tolist() if step.tokens is not None else ())
+        now, outputs, bm = time.monotonic(), [], self.block_manager
+        for seq, index in zip(step.seqs, step.token_index):
+            if index < 0:
+                if not seq.is_finished:
+                    bm.register_full_blocks(seq)
                 continue
             token = next(tokens)
-            seq.append_token(token)
-            self.block_manager.register_full_blocks(seq)
+            if seq.is_finished:
+                continue
+            seq.token_ids[index] = token
+            bm.register_full_blocks(seq)
             seq.first_token_time = seq.first_token_time or now
             _, detok = self.requests[seq.request_id]
             stop_token = token in seq.params.stop_token_ids or (
                 not seq.params.ignore_eos and token in self.eos_token_ids)
             delta = detok.add([] if stop_token else [token]) if detok is not None else ""
-            reason = self._check_stop(seq, token, detok)
+            reason = self._check_stop(seq, token, detok, index + 1)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 del self.requests[seq.request_id]
             outputs.append(RequestOutput(
                 request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-                token_ids=seq.completion_token_ids, new_token_ids=[token],
+                token_ids=seq.token_ids[seq.num_prompt_tokens:index + 1], new_token_ids=[token],
                 text=detok.text if detok is not None else "", delta_text=delta, finished=reason is not None,
                 finish_reason=reason, num_cached_tokens=seq.num_cached_tokens,
                 metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time},

@@ -7,7 +7,9 @@ the last new token of each sequence that samples this step (a prefill chunk shor
 the prompt samples nothing), plus every prompt position of a sequence that asked for
 prompt_logprobs. All of these and the sampling parameters reach the device in one host -> device
 copy (packed_copy.py). On CUDA, pure-decode batches replay captured CUDA graphs (cuda_graph.py)
-unless enforce_eager; their inputs are copied straight into the graphs' static buffers.
+unless enforce_eager; their inputs are copied straight into the graphs' static buffers. Under
+async scheduling an input id may be a placeholder for a token the previous step sampled: it is
+filled on the device from that step's tokens (batch.prev_tokens) before the forward.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsquant.runtime.engine.async_step import SampledTokens, TokenReadback
 from dsquant.runtime.engine.packed_copy import PackedCopy
 from dsquant.runtime.engine.sampler import SamplingTensors, sample
 from dsquant.runtime.engine.scheduler import ScheduledBatch
@@ -58,6 +61,7 @@ class ModelRunner:
         self.graphs = None
         self.generator = torch.Generator(device=config.device).manual_seed(seed)
         self.packed = PackedCopy(config.device)  # the step's one host -> device copy
+        self.readback = TokenReadback(config.device)  # sampled tokens -> host, without a stream sync
 
     # ------------------------------------------------------------------ KV cache
     def bytes_per_block(self) -> int:
@@ -134,6 +138,7 @@ class ModelRunner:
         bs = self.config.block_size
         input_ids, positions, slots, q_lens, seq_lens, rows = [], [], [], [], [], []
         sampling, samples, spans, span_rows = [], batch.samples(), [], []
+        fill_rows, fill_src = [], []  # placeholder input ids and their rows in batch.prev_tokens
         for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, samples):
             start = seq.num_computed_tokens
             # position p's logits score prompt token p + 1; the last prompt position is the sampled row
@@ -155,6 +160,9 @@ class ModelRunner:
             if samp:
                 rows.append(len(input_ids) - 1)
                 sampling.append(seq)
+                if seq.token_ids[-1] < 0:  # only a sampling row's last input can be a placeholder
+                    fill_rows.append(len(input_ids) - 1)
+                    fill_src.append(-1 - seq.token_ids[-1])
         width = max(len(s.block_table) for s in batch.seqs)
         table = []
         for s in batch.seqs:
@@ -162,18 +170,22 @@ class ModelRunner:
             if len(s.block_table) < width:
                 table += [0] * (width - len(s.block_table))
         vocab = self.cfg.vocab_size
-        sampling_fields = SamplingTensors.host_fields(sampling, vocab)
+        i64, i32 = torch.int64, torch.int32
+        # rows 0..k-1 filled from prev_tokens rows 0..k-1 (steady decoding) need no index fields
+        in_order = fill_rows == fill_src and (not fill_rows or fill_rows[-1] == len(fill_rows) - 1)
+        extra = ([] if in_order else [(fill_rows, i64), (fill_src, i64)]) + SamplingTensors.host_fields(sampling, vocab)
         n_tokens, g = len(input_ids), self.graphs
         if (g is not None and not spans and n_tokens == len(batch.seqs) == len(sampling)
                 and n_tokens <= g.max_batch):
-            samp = g.stage(self.packed, input_ids, positions, slots, seq_lens, table, width, sampling_fields)
+            samp = g.stage(self.packed, input_ids, positions, slots, seq_lens, table, width, extra)
+            samp = _fill_placeholders(g.input_ids, len(fill_rows), in_order, samp, batch.prev_tokens)
             return StepInputs(g.input_ids[:n_tokens], g.positions[:n_tokens], None, g.rows[:n_tokens], sampling,
                               sampling=SamplingTensors.build(sampling, vocab, samp), graph=True)
-        i64, i32 = torch.int64, torch.int32
         cu = _cu_seqlens(q_lens)
         ids_t, pos_t, slots_t, rows_t, seq_lens_t, cu_t, table_t, *samp = self.packed.pack(
             [(input_ids, i64), (positions, i64), (slots, i64), (rows + span_rows, i64),
-             (seq_lens, i32), (cu, i32), (table, i32)] + sampling_fields)
+             (seq_lens, i32), (cu, i32), (table, i32)] + extra)
+        samp = _fill_placeholders(ids_t, len(fill_rows), in_order, samp, batch.prev_tokens)
         ctx = self._paged_context(pos_t, slots_t, table_t.view(len(batch.seqs), width), seq_lens_t, cu_t,
                                   q_lens, seq_lens)
         return StepInputs(ids_t, pos_t, ctx, rows_t, sampling, spans, SamplingTensors.build(sampling, vocab, samp))
@@ -184,9 +196,16 @@ class ModelRunner:
             hidden = layer(hidden, ctx)
         return self.model.logits(hidden[0, logits_indices])  # [S, vocab]
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run one step; return the new token of each sampling sequence, in batch order."""
+        tokens = self.launch(batch)
+        return [] if tokens is None else tokens.tolist()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> SampledTokens | None:
+        """Queue one step up to its sampled tokens (each sampling sequence's, in batch order) and
+        their copy to the host; None when no sequence samples. Logprobs, when asked for, are read
+        back here (a sync)."""
         inputs = self.prepare(batch)
         if inputs.graph:
             logits = self.graphs.replay(inputs.input_ids.shape[0])
@@ -196,7 +215,7 @@ class ModelRunner:
         if inputs.prompt_spans:
             self._record_prompt_logprobs(inputs, logits[n_sample:])
         if not inputs.sampling_seqs:
-            return []
+            return None
         logits = logits[:n_sample]
         tokens = sample(logits, inputs.sampling, self.generator)
         want = [i for i, s in enumerate(inputs.sampling_seqs) if s.logprobs is not None]
@@ -204,7 +223,7 @@ class ModelRunner:
             rows = torch.tensor(want, device=logits.device)
             for i, entry in zip(want, _logprobs(logits[rows], tokens[rows], inputs.sampling_seqs, want, "logprobs")):
                 inputs.sampling_seqs[i].logprobs.append(entry)
-        return tokens.tolist()  # the step's one device -> host read (two when logprobs are asked for)
+        return self.readback.start(tokens)  # the step's one device -> host read (more for logprobs)
 
     def _record_prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> None:
         """logits [sum of span counts, vocab]: score prompt tokens start+1 .. start+count of each span."""
@@ -214,6 +233,20 @@ class ModelRunner:
             entries = _logprobs(logits[row:row + count], targets, [seq] * count, range(count), "prompt_logprobs")
             seq.prompt_logprobs[start + 1:start + 1 + count] = entries
             row += count
+
+
+def _fill_placeholders(input_ids: torch.Tensor, n: int, in_order: bool, extra: list[torch.Tensor],
+                       prev_tokens: torch.Tensor | None) -> list[torch.Tensor]:
+    """Write the previous step's sampled tokens over the n placeholder input ids, on the device;
+    return the rest of `extra` (the sampling fields). in_order: rows 0..n-1 take prev_tokens[:n];
+    else extra starts with the rows and their source rows in prev_tokens (int64 each)."""
+    assert prev_tokens is not None or n == 0, "placeholder input ids without the previous step's tokens"
+    if not in_order:
+        rows, src, *extra = extra
+        input_ids.index_copy_(0, rows, prev_tokens.index_select(0, src))
+    elif n:
+        input_ids[:n].copy_(prev_tokens if prev_tokens.shape[0] == n else prev_tokens[:n])
+    return extra
 
 
 def _cu_seqlens(q_lens: list[int]) -> list[int]:

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dsquant.runtime.engine.block_manager import BlockManager
 from dsquant.runtime.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -28,6 +32,9 @@ class SchedulerConfig:
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # per seq, tokens computed this step
+    # async scheduling: the in-flight step's sampled tokens [S] on the device; an input token
+    # -(k + 1) (a placeholder, async_step.py) is read from its row k there
+    prev_tokens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,13 +82,23 @@ class Scheduler:
         bm.allocate(seq, n)
         return True
 
+    def fits_without_preemption(self) -> bool:
+        """Whether every running sequence's next step (all its uncomputed tokens, up to the token
+        budget) gets its blocks from the free list, so schedule() cannot preempt (an upper bound
+        on what it allocates for them; admissions never preempt)."""
+        bs, cap, need = self.block_manager.block_size, self.config.max_num_batched_tokens, 0
+        for seq in self.running:
+            end = seq.num_computed_tokens + min(len(seq.token_ids) - seq.num_computed_tokens, cap)
+            need += max(0, -(-end // bs) - len(seq.block_table))
+        return need <= self.block_manager.num_free_blocks
+
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
-            if budget <= 0 or seq.status is not SequenceStatus.RUNNING:  # preempted meanwhile
+            if budget <= 0 or seq.status is not SequenceStatus.RUNNING:  # preempted meanwhile, or ENDING
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             if n < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:

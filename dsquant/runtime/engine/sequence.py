@@ -50,11 +50,16 @@ class SamplingParams:
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    ENDING = "ending"  # running, but its in-flight token ends it by length: never scheduled again
     FINISHED = "finished"
 
 
 class Sequence:
-    """One request. token_ids = prompt + generated; the first num_computed_tokens are cached."""
+    """One request. token_ids = prompt + generated; the first num_computed_tokens are cached.
+
+    Under async scheduling (async_step.py) the last token or two may be placeholders -(k + 1):
+    tokens sampled on the device but not read yet (row k of their step's sampled tokens).
+    """
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0):
