@@ -97,7 +97,6 @@ class LaunchedStep:
     seqs: list[Sequence]
     token_index: list[int]  # per seq: where its sampled token goes in seq.token_ids, -1: samples nothing
     tokens: SampledTokens | None  # None when no sequence samples
-    drain: bool  # a sequence asks for logprobs: post-process before the next schedule
 
 
 def launch_step(runner, batch: ScheduledBatch, max_model_len: int,
@@ -107,11 +106,9 @@ def launch_step(runner, batch: ScheduledBatch, max_model_len: int,
     samples = batch.samples()
     batch.prev_tokens = pending.tokens.device if pending is not None and pending.tokens is not None else None
     tokens = runner.launch(batch)
-    batch.prev_tokens = None
-    token_index, k, drain = [], 0, False
+    token_index, k = [], 0
     for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, samples):
         seq.num_computed_tokens += n
-        drain = drain or seq.logprobs is not None or seq.prompt_logprobs is not None
         if not samp:
             token_index.append(-1)
             continue
@@ -121,9 +118,11 @@ def launch_step(runner, batch: ScheduledBatch, max_model_len: int,
         k += 1
         if index + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or index + 1 >= max_model_len:
             seq.status = SequenceStatus.ENDING
-    return LaunchedStep(batch.seqs, token_index, tokens, drain)
+    return LaunchedStep(batch.seqs, token_index, tokens)
 
 
 def must_drain(pending: LaunchedStep, scheduler: Scheduler) -> bool:
     """Whether `pending` must be post-processed before the next schedule (the rule above)."""
-    return pending.drain or not scheduler.fits_without_preemption()
+    if any(s.logprobs is not None or s.prompt_logprobs is not None for s in pending.seqs):
+        return True
+    return not scheduler.fits_without_preemption()

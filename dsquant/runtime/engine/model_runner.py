@@ -171,21 +171,25 @@ class ModelRunner:
                 table += [0] * (width - len(s.block_table))
         vocab = self.cfg.vocab_size
         i64, i32 = torch.int64, torch.int32
+        extra = SamplingTensors.host_fields(sampling, vocab)
         # rows 0..k-1 filled from prev_tokens rows 0..k-1 (steady decoding) need no index fields
-        in_order = fill_rows == fill_src and (not fill_rows or fill_rows[-1] == len(fill_rows) - 1)
-        extra = ([] if in_order else [(fill_rows, i64), (fill_src, i64)]) + SamplingTensors.host_fields(sampling, vocab)
+        in_order = not fill_rows or (fill_rows == fill_src and fill_rows[-1] == len(fill_rows) - 1)
+        if not in_order:
+            extra = [(fill_rows, i64), (fill_src, i64)] + extra
         n_tokens, g = len(input_ids), self.graphs
         if (g is not None and not spans and n_tokens == len(batch.seqs) == len(sampling)
                 and n_tokens <= g.max_batch):
             samp = g.stage(self.packed, input_ids, positions, slots, seq_lens, table, width, extra)
-            samp = _fill_placeholders(g.input_ids, len(fill_rows), in_order, samp, batch.prev_tokens)
+            if fill_rows:
+                samp = _fill_placeholders(g.input_ids, len(fill_rows), in_order, samp, batch.prev_tokens)
             return StepInputs(g.input_ids[:n_tokens], g.positions[:n_tokens], None, g.rows[:n_tokens], sampling,
                               sampling=SamplingTensors.build(sampling, vocab, samp), graph=True)
         cu = _cu_seqlens(q_lens)
         ids_t, pos_t, slots_t, rows_t, seq_lens_t, cu_t, table_t, *samp = self.packed.pack(
             [(input_ids, i64), (positions, i64), (slots, i64), (rows + span_rows, i64),
              (seq_lens, i32), (cu, i32), (table, i32)] + extra)
-        samp = _fill_placeholders(ids_t, len(fill_rows), in_order, samp, batch.prev_tokens)
+        if fill_rows:
+            samp = _fill_placeholders(ids_t, len(fill_rows), in_order, samp, batch.prev_tokens)
         ctx = self._paged_context(pos_t, slots_t, table_t.view(len(batch.seqs), width), seq_lens_t, cu_t,
                                   q_lens, seq_lens)
         return StepInputs(ids_t, pos_t, ctx, rows_t, sampling, spans, SamplingTensors.build(sampling, vocab, samp))
@@ -240,11 +244,11 @@ def _fill_placeholders(input_ids: torch.Tensor, n: int, in_order: bool, extra: l
     """Write the previous step's sampled tokens over the n placeholder input ids, on the device;
     return the rest of `extra` (the sampling fields). in_order: rows 0..n-1 take prev_tokens[:n];
     else extra starts with the rows and their source rows in prev_tokens (int64 each)."""
-    assert prev_tokens is not None or n == 0, "placeholder input ids without the previous step's tokens"
+    assert prev_tokens is not None, "placeholder input ids without the previous step's tokens"
     if not in_order:
         rows, src, *extra = extra
         input_ids.index_copy_(0, rows, prev_tokens.index_select(0, src))
-    elif n:
+    else:
         input_ids[:n].copy_(prev_tokens if prev_tokens.shape[0] == n else prev_tokens[:n])
     return extra
 
