@@ -10,6 +10,10 @@ as the peer:
   - optionally one long prompt (V2-Lite's YaRN context, 131072) through chunked prefill: TTFT and
     the KV-cache memory it holds;
   - optionally the HTTP serving benchmark (bench.serve_local) at several concurrencies.
+The batch-1 and concurrent runs are measured for each --modes stepping of the same engine: "sync"
+(each step's tokens read before the next is scheduled) and "async" (EngineConfig.async_scheduling:
+step N + 1 launched before step N's tokens are read, engine/async_step.py); keys batch1 /
+concurrent and batch1_async / concurrent_async.
 Results stream into --json after every measurement, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
@@ -44,6 +48,7 @@ class EngineBenchSpec:
     bandwidth_tbs: float = 4.25
     device: str = "cuda"
     seed: int = 0
+    modes: tuple[str, ...] = ("sync", "async")  # engine stepping measured: "sync" and/or "async" scheduling
     config: dict = field(default_factory=dict)  # overrides of V2_LITE (tiny shapes for CPU tests)
 
 
@@ -120,22 +125,26 @@ def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit) -> Non
            "kv_bytes_per_block": engine.runner.bytes_per_block()}
     if spec.device.startswith("cuda"):
         row["weights_gb"] = torch.cuda.memory_allocated() / 1e9
-    run_requests(engine, _prompts(2, spec.input_len, vocab, 99), 8)  # warm-up: compiles, allocator
-    b1 = run_requests(engine, _prompts(1, spec.input_len, vocab, spec.seed), spec.batch1_output)
     roof = bytes_per_decode_token(reader, spec.input_len + spec.batch1_output // 2)
-    decode_tok_s = 1e3 / b1["tpot_ms"]
-    row["batch1"] = {**b1, "decode_tok_s": decode_tok_s, "roofline_bytes": roof,
-                     "roofline_tok_s": spec.bandwidth_tbs * 1e12 / roof["total"],
-                     "fraction_of_roofline": decode_tok_s * roof["total"] / (spec.bandwidth_tbs * 1e12)}
-    emit(row)
-    if spec.concurrency:
-        # warm-up at the same concurrency on other prompts: the mixed prefill + decode steps reach
-        # GEMM / MoE shapes (hence Triton compiles) the batch-1 runs never did; without it the
-        # timed run pays those compiles (seconds for INT4's many kernel configs)
-        run_requests(engine, _prompts(spec.concurrency, spec.input_len, vocab, spec.seed + 11), 16)
-        row["concurrent"] = {"concurrency": spec.concurrency, **run_requests(
-            engine, _prompts(spec.concurrency, spec.input_len, vocab, spec.seed + 1), spec.concurrent_output)}
+    for mode in spec.modes:  # the same engine, stepped synchronously or with async scheduling
+        engine.async_scheduling = mode == "async"
+        suffix = "_async" if mode == "async" else ""
+        run_requests(engine, _prompts(2, spec.input_len, vocab, 99), 8)  # warm-up: compiles, allocator
+        b1 = run_requests(engine, _prompts(1, spec.input_len, vocab, spec.seed), spec.batch1_output)
+        decode_tok_s = 1e3 / b1["tpot_ms"]
+        row["batch1" + suffix] = {**b1, "decode_tok_s": decode_tok_s, "roofline_bytes": roof,
+                                  "roofline_tok_s": spec.bandwidth_tbs * 1e12 / roof["total"],
+                                  "fraction_of_roofline": decode_tok_s * roof["total"] / (spec.bandwidth_tbs * 1e12)}
         emit(row)
+        if spec.concurrency:
+            # warm-up at the same concurrency on other prompts: the mixed prefill + decode steps reach
+            # GEMM / MoE shapes (hence Triton compiles) the batch-1 runs never did; without it the
+            # timed run pays those compiles (seconds for INT4's many kernel configs)
+            run_requests(engine, _prompts(spec.concurrency, spec.input_len, vocab, spec.seed + 11), 16)
+            row["concurrent" + suffix] = {"concurrency": spec.concurrency, **run_requests(
+                engine, _prompts(spec.concurrency, spec.input_len, vocab, spec.seed + 1), spec.concurrent_output)}
+            emit(row)
+    engine.async_scheduling = "async" in spec.modes
     if spec.serve_concurrencies and scheme != "bf16":
         row["serve"] = serve_runs(engine, spec, vocab)
         emit(row)
@@ -241,20 +250,22 @@ def run_engine_bench(spec: EngineBenchSpec, json_path: str | None) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = ["| scheme | batch-1 decode tok/s | roofline tok/s | fraction | vs dsquant bf16 | "
-             "concurrent output tok/s | vs dsquant bf16 |", "|---|---|---|---|---|---|---|"]
+    lines = ["| scheme | stepping | batch-1 decode tok/s | roofline tok/s | fraction | vs dsquant bf16 | "
+             "concurrent output tok/s | vs dsquant bf16 |", "|---|---|---|---|---|---|---|---|"]
     rows = result["schemes"]
     base = rows.get("bf16", {})
-    for name, r in rows.items():
-        b1 = r.get("batch1", {})
-        c = r.get("concurrent", {})
-        rel = (lambda a, k: f"{a / base[k]['decode_tok_s' if k == 'batch1' else 'output_tok_s']:.2f}x"
-               if base.get(k) else "-")
-        lines.append(f"| {name} | {b1.get('decode_tok_s', 0):.1f} | {b1.get('roofline_tok_s', 0):.0f} | "
-                     f"{b1.get('fraction_of_roofline', 0):.0%} | {rel(b1.get('decode_tok_s', 0), 'batch1')} | "
-                     f"{c.get('output_tok_s', 0):.0f} | {rel(c.get('output_tok_s', 0), 'concurrent')} |")
+    for mode in result["spec"].get("modes", ("sync",)):
+        suffix = "_async" if mode == "async" else ""
+        for name, r in rows.items():
+            b1, c = r.get("batch1" + suffix, {}), r.get("concurrent" + suffix, {})
+            b1_base, c_base = base.get("batch1" + suffix, {}), base.get("concurrent" + suffix, {})
+            rel = (lambda a, ref: f"{a / ref:.2f}x" if ref else "-")
+            lines.append(f"| {name} | {mode} | {b1.get('decode_tok_s', 0):.1f} | {b1.get('roofline_tok_s', 0):.0f} | "
+                         f"{b1.get('fraction_of_roofline', 0):.0%} | "
+                         f"{rel(b1.get('decode_tok_s', 0), b1_base.get('decode_tok_s'))} | "
+                         f"{c.get('output_tok_s', 0):.0f} | {rel(c.get('output_tok_s', 0), c_base.get('output_tok_s'))} |")
     for p in result.get("peer") or []:
-        lines.append(f"| transformers bf16, batch {p['batch']} | {p['decode_tok_s']:.1f} (decode) | | | | "
+        lines.append(f"| transformers bf16, batch {p['batch']} | | {p['decode_tok_s']:.1f} (decode) | | | | "
                      f"{p['output_tok_s']:.1f} (incl. prefill) | |")
     return "\n".join(lines)
 
@@ -273,11 +284,13 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--long-context", type=int, default=0, help="Prompt length of one long request (0: skip).")
 @click.option("--serve", "serve_conc", default="", help="HTTP runs at these concurrencies, e.g. 1,8,32,64.")
 @click.option("--peer-batches", default="1,16", show_default=True, help="transformers generate batches ('' skips).")
+@click.option("--modes", default="sync,async", show_default=True,
+              help="Engine stepping to measure: sync and/or async (async scheduling).")
 @click.option("--device", default="cuda", show_default=True)
 @click.option("--config-json", default=None, help="JSON object overriding V2-Lite's config (tiny test models).")
 @click.option("--json", "json_path", default=None, help="Write results here (updated as they come).")
 def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_output, long_context, serve_conc,
-           peer_batches, device, config_json, json_path):
+           peer_batches, modes, device, config_json, json_path):
     """Engine decode and throughput on a V2-Lite-shaped random model, BF16/FP8/INT4, beside transformers."""
     from dsquant.bench.random_model import SCHEMES
 
@@ -285,9 +298,13 @@ def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_ou
     bad = [s for s in names if s not in SCHEMES]
     if bad:
         raise click.BadParameter(f"{bad[0]!r}: expected some of {', '.join(SCHEMES)}", param_hint="--schemes")
+    mode_names = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if not mode_names or any(m not in ("sync", "async") for m in mode_names):
+        raise click.BadParameter(f"{modes!r}: expected sync and/or async", param_hint="--modes")
     spec = EngineBenchSpec(schemes=names, num_layers=layers, input_len=input_len, batch1_output=batch1_output,
                            concurrency=concurrency, concurrent_output=concurrent_output, long_context=long_context,
-                           serve_concurrencies=_ints(serve_conc), peer_batches=_ints(peer_batches), device=device,
+                           serve_concurrencies=_ints(serve_conc), peer_batches=_ints(peer_batches),
+                           modes=mode_names, device=device,
                            config=json.loads(config_json) if config_json else {})
     result = run_engine_bench(spec, json_path)
     click.echo(format_table(result))

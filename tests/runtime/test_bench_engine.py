@@ -1,0 +1,31 @@
+"""`dsquant bench engine` on CPU with a tiny V2-Lite-shaped config: both steppings measured, the
+JSON and the table written, bad options refused."""
+import json
+
+from click.testing import CliRunner
+
+from dsquant.bench.engine import engine
+
+TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+        "v_head_dim": 16, "max_position_embeddings": 4096, "rope_scaling": None}
+ARGS = ["--device", "cpu", "--layers", "2", "--schemes", "bf16", "--input-len", "16", "--batch1-output", "6",
+        "--concurrency", "3", "--concurrent-output", "5", "--peer-batches=", "--config-json", json.dumps(TINY)]
+
+
+def test_bench_engine_measures_sync_and_async_stepping(tmp_path):
+    out = tmp_path / "engine.json"
+    res = CliRunner().invoke(engine, ARGS + ["--json", str(out)])
+    assert res.exit_code == 0, res.output
+    row = json.loads(out.read_text())["schemes"]["bf16"]
+    for key in ("batch1", "batch1_async"):
+        assert row[key]["output_tokens"] == 6 and row[key]["decode_tok_s"] > 0
+    for key in ("concurrent", "concurrent_async"):
+        assert row[key]["output_tokens"] == 3 * 5 and row[key]["output_tok_s"] > 0
+    assert "| bf16 | sync |" in res.output and "| bf16 | async |" in res.output
+
+
+def test_bench_engine_refuses_an_unknown_mode():
+    res = CliRunner().invoke(engine, ARGS + ["--modes", "sync,fast"])
+    assert res.exit_code != 0 and "--modes" in res.output
