@@ -361,8 +361,9 @@ def test_cuda_graphs_async_with_queueing_and_stops_equals_sync(tiny_models):
     prompts = random_prompts(11, [9, 14, 3, 30, 1], seed=1)
     params = [SamplingParams(max_tokens=6 + 3 * (i % 5), temperature=0 if i % 3 else 0.9, seed=i,
                              ignore_eos=True) for i in range(len(prompts))]
-    probe, _, _ = cuda_engine(path, False, torch.float32)
-    free = summary(streams(probe, prompts[:1], params[:1]))[0][0]
+    params[0] = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    probe, _, _ = cuda_engine(path, False, torch.float32, max_num_batched_tokens=32)  # the same batches
+    free = summary(streams(probe, prompts, params))[0][0]  # request 0's greedy tokens without a stop
     params[0] = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[free[2]], ignore_eos=True)
     out = {}
     for mode in (False, True):
