@@ -16,6 +16,8 @@ the first n rows are returned; sampling runs outside the graph.
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from dsquant.runtime.engine.packed_copy import PackedCopy, layout, views
@@ -61,16 +63,27 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        pool = None
-        for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            self._run_model(n)  # warm-up: compiles kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[n] = self._run_model(n)
-            pool = graph.pool()
-            self.graphs[n] = graph
+        # No garbage collection while capturing: freeing an earlier engine's pinned buffers makes the
+        # host allocator query CUDA events, which invalidates the capture (seen on the H200 when
+        # engines were built one after another in one process); collect first, then pause the GC.
+        gc.collect()
         torch.cuda.synchronize()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            pool = None
+            for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+                self._run_model(n)  # warm-up: compiles kernels outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[n] = self._run_model(n)
+                pool = graph.pool()
+                self.graphs[n] = graph
+            torch.cuda.synchronize()
+        finally:
+            if enabled:
+                gc.enable()
 
     def stage(self, packer: PackedCopy, input_ids: list[int], positions: list[int], slots: list[int],
               seq_lens: list[int], table: list[int], width: int, extra: list) -> list[torch.Tensor]:

@@ -48,8 +48,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # processes, one per GPU (gloo processes on CPU); runtime/parallel
     kernels: bool | None = None  # Triton attention, fused MoE and quantized GEMMs; None: on CUDA (False: pure torch
     # everywhere, the reference path; True on CPU runs attention/MoE under TRITON_INTERPRET=1)
-    async_scheduling: bool = False  # launch step N + 1 before reading step N's tokens (async_step.py);
-    # off under tensor parallelism
+    async_scheduling: bool = True  # launch step N + 1 before reading step N's tokens (async_step.py);
+    # off under tensor parallelism. H200, V2-Lite shape: batch-1 decode +8-12%, 64 concurrent +14-18%
 
 
 @dataclass
