@@ -18,8 +18,11 @@ import click
 @click.option("--max-model-len", default=None, type=int)
 @click.option("--tensor-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
               help="Processes to split the model over: one per GPU on cuda, gloo processes on cpu.")
+@click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+              help="Launch each engine step before reading the previous one's tokens.")
 def generate(artifact: str, prompt: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
-             seed: int | None, device: str | None, max_model_len: int | None, tensor_parallel_size: int) -> None:
+             seed: int | None, device: str | None, max_model_len: int | None, tensor_parallel_size: int,
+             async_scheduling: bool) -> None:
     """Generate text from ARTIFACT (a checkpoint or artifact directory, or a bundled model name)."""
     from dsquant.runtime.engine.llm_engine import EngineConfig
     from dsquant.runtime.engine.sequence import SamplingParams
@@ -27,6 +30,7 @@ def generate(artifact: str, prompt: str, max_tokens: int, temperature: float, to
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     with LLM(artifact, EngineConfig(device=device, max_num_seqs=1, max_model_len=max_model_len,
-                                    tensor_parallel_size=tensor_parallel_size)) as llm:
+                                    tensor_parallel_size=tensor_parallel_size,
+                                    async_scheduling=async_scheduling)) as llm:
         out = llm.generate(prompt, params)[0]
     click.echo(out.text)

@@ -73,9 +73,11 @@ def build_server(app, shutdown_timeout: float = 30.0, log_level: str = "warning"
               help="Seconds in-flight requests get to finish after SIGTERM.")
 @click.option("--tensor-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
               help="Processes to split the model over: one per GPU on cuda, gloo processes on cpu.")
+@click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+              help="Launch each engine step before reading the previous one's tokens.")
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_num_seqs: int, max_model_len: int | None, max_queue: int, gpu_memory_utilization: float,
-          device: str | None, shutdown_timeout: float, tensor_parallel_size: int) -> None:
+          device: str | None, shutdown_timeout: float, tensor_parallel_size: int, async_scheduling: bool) -> None:
     """Serve ARTIFACT (a checkpoint or artifact directory, or a bundled model name) over an OpenAI API."""
     try:
         import fastapi  # noqa: F401
@@ -90,7 +92,8 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     sock = _bind(host, port)  # before loading, so a taken port fails fast
     engine = LLMEngine(resolve_model_dir(artifact), EngineConfig(
         device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size))
+        gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+        async_scheduling=async_scheduling))
     try:
         app = create_app(engine, model_name=served_model_name, api_key=api_key, max_queue=max_queue)
         logger = logging.getLogger("dsquant.server")
