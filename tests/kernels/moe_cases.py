@@ -63,3 +63,22 @@ def pair_reference(a, dense, ids, a_row_div, gated, tw=None):
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())
+
+
+def pair_case(fmt: str, e: int, n: int, k: int, t: int, top_k: int, gated: bool, device, dtype=torch.float16):
+    """A per-pair GEMV case: (weight, dense [E, N or 2N, K], topk_weights, topk_ids, a_row_div, a).
+    Gated: w13-style rows (gate then up, 2N) and one activation row per token; else one per pair."""
+    g, dense = make_projection(fmt, torch.randn(e, 2 * n if gated else n, k, device=device) / k ** 0.5, dtype)
+    tw, ids = random_topk(t, e, top_k, device)
+    div = top_k if gated else 1
+    return g, dense, tw, ids, div, torch.randn(t * top_k // div, k, dtype=dtype, device=device)
+
+
+def v2_lite_decode_case(fmt: str):
+    """V2-Lite experts (64 routed + 2 shared, H 2048, I 1408) in bf16 on CUDA, one token's 8 pairs:
+    (MoeWeights, d13, d2, topk_weights, topk_ids, hidden [1, H], down-projection input [8, I])."""
+    weights, d13, d2 = make_experts(fmt, 66, 2048, 1408, torch.bfloat16, "cuda")
+    tw, ids = random_topk(1, 66, 8, "cuda")
+    hidden = torch.randn(1, 2048, dtype=torch.bfloat16, device="cuda")
+    return weights, d13, d2, tw, ids, hidden, torch.randn(8, 1408, dtype=torch.bfloat16, device="cuda")
+

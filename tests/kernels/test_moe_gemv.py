@@ -12,7 +12,8 @@ from dsquant.runtime.kernels.fused_moe import fused_moe, pick_configs
 from dsquant.runtime.kernels.moe_gemv import (MOE_GEMV_MAX_PAIRS, default_split_k, effective_split,
                                               moe_gemv_int4)
 from dsquant.runtime.kernels.reference_moe import moe_experts_reference
-from tests.kernels.moe_cases import make_experts, make_projection, pair_reference, random_topk, rel_err
+from tests.kernels.moe_cases import (make_experts, make_projection, pair_case, pair_reference, random_topk,
+                                     rel_err, v2_lite_decode_case)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -53,12 +54,8 @@ def test_fused_moe_gemv_path_matches_reference_and_grouped(fmt, t, k, device):
 def test_moe_gemv_split_k_matches_dense(gated, split_k, device):
     """K = 640 is 5 tiles: split 2 runs 3 + 2, split 3 runs 2 + 2 + 1; N = 48 (gated: 2 x 48 rows)
     is 3 blocks of 16; 2 tokens x top-3 = 6 pairs."""
-    e, n, k, t, top_k = 5, 48, 640, 2, 3
-    g, dense = make_projection("int4-g64", torch.randn(e, 2 * n if gated else n, k, device=device) / k ** 0.5,
-                               torch.float16)
-    tw, ids = random_topk(t, e, top_k, device)
-    div = top_k if gated else 1
-    a = torch.randn(t * top_k // div, k, dtype=torch.float16, device=device)
+    t, top_k, n = 2, 3, 48
+    g, dense, tw, ids, div, a = pair_case("int4-g64", 5, n, 640, t, top_k, gated, device)
     out = torch.full((t * top_k, n), float("nan"), dtype=torch.float16, device=device)
     moe_gemv_int4(a, g, ids, out, a_row_div=div, gated=gated, topk_weights=None if gated else tw,
                   block_n=16, split_k=split_k)
@@ -72,12 +69,8 @@ def test_moe_gemv_split_k_repeated_launch(gated, device):
     """split_k 4 over 5 tiles (2 per split: 3 splits, the last one short). Launched twice on the
     same inputs: the second launch finds the counters reset, writes every element and gives the
     same bits (the partials are summed in split order, whichever program arrives last)."""
-    e, n, k, t, top_k = 4, 32, 640, 1, 4
-    g, dense = make_projection("int4-g128", torch.randn(e, 2 * n if gated else n, k, device=device) / k ** 0.5,
-                               torch.float16)
-    tw, ids = random_topk(t, e, top_k, device)
-    div = top_k if gated else 1
-    a = torch.randn(t * top_k // div, k, dtype=torch.float16, device=device)
+    t, top_k, n = 1, 4, 32
+    g, dense, tw, ids, div, a = pair_case("int4-g128", 4, n, 640, t, top_k, gated, device)
     outs = []
     for _ in range(2):
         out = torch.full((t * top_k, n), float("nan"), dtype=torch.float16, device=device)
@@ -129,10 +122,7 @@ def test_moe_gemv_split_k_v2_lite_bf16(split_k):
     """V2-Lite shapes in bf16 (gate/up: N 2 x 1408, K 2048 = 16 tiles; down: N 2048, K 1408 = 11
     tiles), 8 pairs (T = 1, top-6 + 2 shared): each projection with split-K against the float64
     reference and against split_k 1, twice (counters reset between launches)."""
-    weights, d13, d2 = make_experts("int4-g128", 66, 2048, 1408, torch.bfloat16, "cuda")
-    tw, ids = random_topk(1, 66, 8, "cuda")
-    hidden = torch.randn(1, 2048, dtype=torch.bfloat16, device="cuda")
-    act_in = torch.randn(8, 1408, dtype=torch.bfloat16, device="cuda")
+    weights, d13, d2, tw, ids, hidden, act_in = v2_lite_decode_case("int4-g128")
     for w, dense, a, div, gated, n in ((weights.w13, d13, hidden, 8, True, 1408),
                                        (weights.w2, d2, act_in, 1, False, 2048)):
         kw = dict(a_row_div=div, gated=gated, topk_weights=None if gated else tw, block_n=16, num_warps=2)

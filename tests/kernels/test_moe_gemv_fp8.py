@@ -13,7 +13,7 @@ import torch
 from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8, quantize_act_fp8_torch
 from dsquant.runtime.kernels.moe_gemv_fp8 import moe_gemv_fp8
 from dsquant.runtime.kernels.reference_moe import fp8_act_roundtrip, moe_experts_reference
-from tests.kernels.moe_cases import make_experts, make_projection, pair_reference, random_topk, rel_err
+from tests.kernels.moe_cases import make_projection, pair_case, pair_reference, rel_err, v2_lite_decode_case
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -21,13 +21,8 @@ from tests.kernels.moe_cases import make_experts, make_projection, pair_referenc
 def test_moe_gemv_fp8_matches_dense(gated, split_k, device):
     """K = 640: 5 blocks (split 2: 3 + 2, split 3: 2 + 2 + 1); gated N = 128 (w13 256 rows, the
     up rows in the second scale block), routed N = 200 (a partial scale block); 6 pairs."""
-    e, k, t, top_k = 5, 640, 2, 3
-    n = 128 if gated else 200
-    g, dense = make_projection("fp8", torch.randn(e, 2 * n if gated else n, k, device=device) / k ** 0.5,
-                               torch.float16)
-    tw, ids = random_topk(t, e, top_k, device)
-    div = top_k if gated else 1
-    a = torch.randn(t * top_k // div, k, dtype=torch.float16, device=device)
+    t, top_k, n = 2, 3, 128 if gated else 200
+    g, dense, tw, ids, div, a = pair_case("fp8", 5, n, 640, t, top_k, gated, device)
     aq, a_s = quantize_act_fp8_torch(a)  # [rows, K] e4m3, [rows, 5]
     out = torch.full((t * top_k, n), float("nan"), dtype=torch.float16, device=device)
     moe_gemv_fp8(aq, g, ids, out, a_row_div=div, gated=gated, topk_weights=None if gated else tw,
@@ -52,10 +47,7 @@ def test_moe_gemv_fp8_v2_lite_bf16(split_k):
     """V2-Lite shapes (66 experts, H 2048, I 1408), bf16, 8 pairs: the in-kernel quantizer gives
     the result of the pre-quantized path (same quant_group_fp8 arithmetic), both within W8A8
     accuracy of float64; counters reset after every launch."""
-    weights, d13, d2 = make_experts("fp8", 66, 2048, 1408, torch.bfloat16, "cuda")
-    tw, ids = random_topk(1, 66, 8, "cuda")
-    hidden = torch.randn(1, 2048, dtype=torch.bfloat16, device="cuda")
-    act_in = torch.randn(8, 1408, dtype=torch.bfloat16, device="cuda")
+    weights, d13, d2, tw, ids, hidden, act_in = v2_lite_decode_case("fp8")
     for w, dense, a, div, gated, n in ((weights.w13, d13, hidden, 8, True, 1408),
                                        (weights.w2, d2, act_in, 1, False, 2048)):
         kw = dict(a_row_div=div, gated=gated, topk_weights=None if gated else tw, block_n=16,
