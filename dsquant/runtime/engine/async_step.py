@@ -116,7 +116,7 @@ def launch_step(runner, batch: ScheduledBatch, max_model_len: int,
         token_index.append(index)
         seq.token_ids.append(-1 - k)  # placeholder: row k of `tokens`
         k += 1
-        if index + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or index + 1 >= max_model_len:
+        if seq.ends_by_length(index + 1, max_model_len):
             seq.status = SequenceStatus.ENDING
     return LaunchedStep(batch.seqs, token_index, tokens)
 

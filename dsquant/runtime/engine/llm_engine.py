@@ -235,14 +235,15 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self.pending is not None
 
     # ------------------------------------------------------------------ stepping
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        p = seq.params
+        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+
     def _check_stop(self, seq: Sequence, token: int, detok, num_tokens: int) -> str | None:
         """Why seq stops at `token`, its num_tokens-th token (prompt included), or None."""
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if self._is_stop_token(seq, token) or (detok is not None and detok.stopped_on is not None):
             return "stop"
-        if detok is not None and detok.stopped_on is not None:
-            return "stop"
-        if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.max_model_len:
+        if seq.ends_by_length(num_tokens, self.max_model_len):
             return "length"
         return None
 
@@ -279,9 +280,7 @@ class LLMEngine:
             bm.register_full_blocks(seq)
             seq.first_token_time = seq.first_token_time or now
             _, detok = self.requests[seq.request_id]
-            stop_token = token in seq.params.stop_token_ids or (
-                not seq.params.ignore_eos and token in self.eos_token_ids)
-            delta = detok.add([] if stop_token else [token]) if detok is not None else ""
+            delta = detok.add([] if self._is_stop_token(seq, token) else [token]) if detok is not None else ""
             reason = self._check_stop(seq, token, detok, index + 1)
             if reason is not None:
                 self.scheduler.finish(seq, reason)

@@ -106,6 +106,10 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    def ends_by_length(self, num_tokens: int, max_model_len: int) -> bool:
+        """Whether holding num_tokens tokens (prompt included) reaches max_tokens or max_model_len."""
+        return num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= max_model_len
+
     def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
         return -(-num_tokens // block_size)
 

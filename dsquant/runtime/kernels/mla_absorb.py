@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
+from dsquant.runtime.kernels.split_kv_merge import split_weights, sum_live_partials
 
 
 @triton.jit
@@ -144,27 +145,13 @@ def _mla_merge_uv_kernel(
     h = tl.program_id(1)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
     vmask = v < v_dim
-    s = tl.arange(0, BLOCK_S)
     row = (t.to(tl.int64) * num_heads + h) * num_splits
-    lse = tl.load(part_lse_ptr + row + s, mask=s < num_splits, other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse - m), 0)  # empty splits weigh 0
+    m, total, live_end = split_weights(part_lse_ptr, row, num_splits, BLOCK_S)
     inv = 1.0 / tl.where(total > 0, total, 1.0)
-    # partials are read only up to the last non-empty split: a graph captured with many splits
-    # (max_model_len) replaying a short context leaves most of them empty (split_bounds)
-    live_end = tl.max(tl.where(lse > float("-inf"), s + 1, 0), 0)
-    c = tl.arange(0, CHUNK_S)
     acc = tl.zeros([BLOCK_V], tl.float32)
     for r0 in tl.static_range(0, RANK, BLOCK_R):  # unrolled: every tile's loads can be in flight at once
         r = r0 + tl.arange(0, BLOCK_R)
-        merged = tl.zeros([BLOCK_R], tl.float32)
-        for s0 in range(0, live_end, CHUNK_S):
-            sc = s0 + c  # [CHUNK_S]
-            lse_c = tl.load(part_lse_ptr + row + sc, mask=sc < live_end, other=float("-inf"))
-            part = tl.load(part_out_ptr + (row + sc)[:, None] * RANK + r[None, :],
-                           mask=(lse_c > float("-inf"))[:, None], other=0.0)  # [CHUNK_S, BLOCK_R]
-            merged += tl.sum(part * tl.exp2(lse_c - m)[:, None], 0)
+        merged = sum_live_partials(part_out_ptr, part_lse_ptr, row, r, r < RANK, RANK, m, live_end, CHUNK_S)
         latent = (merged * inv).to(w_uv_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_R]
         w_uv = tl.load(w_uv_ptr + (h * v_dim + v[:, None]) * RANK + r[None, :], mask=vmask[:, None],
                        other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]

@@ -16,6 +16,36 @@ import triton.language as tl
 
 
 @triton.jit
+def split_weights(part_lse_ptr, first, num_splits, BLOCK_S: tl.constexpr):
+    """One row's splits (lse at part_lse_ptr + first + s): (m, total, live_end) = the largest lse (0
+    when all are empty), sum over splits of 2^(lse - m) (empty ones weigh 0), and 1 + the index of
+    the last non-empty split (most are empty when a graph captured for max_model_len replays a
+    short context: split_bounds)."""
+    s = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + first + s, mask=s < num_splits, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    live_end = tl.max(tl.where(lse > float("-inf"), s + 1, 0), 0)
+    return m, tl.sum(tl.exp2(lse - m), 0), live_end
+
+
+@triton.jit
+def sum_live_partials(part_out_ptr, part_lse_ptr, first, cols, col_mask, width, m, live_end,
+                      CHUNK_S: tl.constexpr):
+    """sum over splits s < live_end of part_out[first + s, cols] * 2^(lse_s - m) (fp32, cols' shape),
+    CHUNK_S splits per load; part_out rows are `width` wide, empty splits are never read."""
+    c = tl.arange(0, CHUNK_S)
+    acc = tl.zeros(cols.shape, tl.float32)
+    for s0 in range(0, live_end, CHUNK_S):
+        sc = s0 + c  # [CHUNK_S]
+        lse_c = tl.load(part_lse_ptr + first + sc, mask=sc < live_end, other=float("-inf"))
+        part = tl.load(part_out_ptr + (first + sc)[:, None] * width + cols[None, :],
+                       mask=(lse_c > float("-inf"))[:, None] & col_mask[None, :], other=0.0)  # [CHUNK_S, cols]
+        acc += tl.sum(part * tl.exp2(lse_c - m)[:, None], 0)
+    return acc
+
+
+@triton.jit
 def _merge_kernel(
     part_out_ptr, part_lse_ptr,  # [B, H, S, Dv], [B, H, S] float32, contiguous
     out_ptr, stride_ob, stride_oh,  # [B, H, Dv]
@@ -25,24 +55,10 @@ def _merge_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    s = tl.arange(0, BLOCK_S)
-    row = b * num_heads + h
-    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse - m), 0)  # empty chunks weigh 0
-    # read partials only up to the last non-empty split (most are empty when a graph captured for
-    # max_model_len replays a short context)
-    live_end = tl.max(tl.where(lse > float("-inf"), s + 1, 0), 0)
+    first = (b * num_heads + h) * num_splits
+    m, total, live_end = split_weights(part_lse_ptr, first, num_splits, BLOCK_S)
     dmask = d < head_dim_v
-    c = tl.arange(0, CHUNK_S)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, live_end, CHUNK_S):
-        sc = s0 + c  # [CHUNK_S]
-        lse_c = tl.load(part_lse_ptr + row * num_splits + sc, mask=sc < live_end, other=float("-inf"))
-        part = tl.load(part_out_ptr + (row * num_splits + sc[:, None]) * head_dim_v + d[None, :],
-                       mask=(lse_c > float("-inf"))[:, None] & dmask[None, :], other=0.0)  # [CHUNK_S, BLOCK_D]
-        acc += tl.sum(part * tl.exp2(lse_c - m)[:, None], 0)
+    acc = sum_live_partials(part_out_ptr, part_lse_ptr, first, d, dmask, head_dim_v, m, live_end, CHUNK_S)
     acc = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
 
