@@ -11,33 +11,17 @@ the GPU runs the same at full size in bf16, with the in-kernel quantizers.
 import pytest
 import torch
 
-from dsquant import formats as F
 from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear, fp8_block_linear_reference
 from dsquant.runtime.kernels.fp8_quant import (per_token_group_quant_fp8,
                                                per_token_group_quant_fp8_reference)
 from dsquant.runtime.kernels.gemm_configs import GemmConfig
+from tests.kernels.fp8_cases import check_fp8_product, dequant_act, fp8_weights, poisoned
 
 M_VALUES = [1, 3, 17, 64, 300]
 
 
-def _weights(n, k, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=gen) * 0.05
-    w[: min(n, 128), : min(k, 128)] *= 8  # blocks with different scales
-    wq, ws = F.quantize_fp8_block(w)
-    dense = F.dequantize_fp8_block(wq, ws, torch.float64)  # [N, K]
-    return wq.to(device), ws.to(device), dense
-
-
-def _dequant_act(xq, xs, k):
-    return xq.cpu().to(torch.float64) * xs.cpu().to(torch.float64).repeat_interleave(128, 1)[:, :k]
-
-
 def _check(y, a_dense, w_dense, dtype, tol=None):
-    ref = a_dense @ w_dense.t()
-    assert torch.isfinite(y).all(), "output has NaN/Inf: some element was not written"
-    err = ((y.cpu().to(torch.float64) - ref).norm() / ref.norm()).item()
-    assert err < (tol or (1e-2 if dtype == torch.bfloat16 else 2e-3)), err
+    check_fp8_product(y, a_dense, w_dense, tol or (1e-2 if dtype == torch.bfloat16 else 2e-3))
 
 
 def _check_quantizer(x, xq, xs):
@@ -53,10 +37,6 @@ def _check_quantizer(x, xq, xs):
     assert ((a - b).abs()[differ] <= b.abs()[differ] / 8 + 2 ** -9).all()  # one e4m3 step at most
 
 
-def _poisoned(m, n, dtype, device):
-    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
-
-
 def _cfg(m, split, bn=64):
     return GemmConfig(max(16, 1 << (m - 1).bit_length()), bn, split, 4, 2)
 
@@ -68,22 +48,22 @@ CPU_CASES = [(m, None) for m in M_VALUES] + [(1, _cfg(1, 2)), (17, _cfg(17, 3)),
 @pytest.mark.parametrize("m,cfg", CPU_CASES)
 def test_fp8_gemm_prequantized_matches_reference(device, m, cfg):
     n, k = 200, 300  # partial edge blocks along N and K
-    wq, ws, w_dense = _weights(n, k, device, seed=m)
+    wq, ws, w_dense = fp8_weights(n, k, device, seed=m)
     x = torch.randn(m, k, dtype=torch.float16, device=device)
     xq, xs = per_token_group_quant_fp8_reference(x)
     y = fp8_block_linear(xq, wq, ws, x_scale=xs, out_dtype=torch.float16, config=cfg,
-                         out=_poisoned(m, n, torch.float16, device))
-    _check(y, _dequant_act(xq, xs, k), w_dense, torch.float16)
+                         out=poisoned(m, n, torch.float16, device))
+    _check(y, dequant_act(xq, xs, k), w_dense, torch.float16)
 
 
 @pytest.mark.parametrize("m,cfg", CPU_CASES)
 def test_fp8_gemm_weight_only_matches_reference(device, m, cfg):
     n, k = 136, 392
-    wq, ws, w_dense = _weights(n, k, device, seed=100 + m)
+    wq, ws, w_dense = fp8_weights(n, k, device, seed=100 + m)
     x = torch.randn(m, k, dtype=torch.float16, device=device)
     counters = torch.zeros(64, dtype=torch.int32, device=device)
     y = fp8_block_linear(x, wq, ws, weight_only=True, config=cfg, splitk_counters=counters,
-                         out=_poisoned(m, n, torch.float16, device))
+                         out=poisoned(m, n, torch.float16, device))
     _check(y, x.cpu().to(torch.float64), w_dense, torch.float16)
     assert int(counters.abs().sum()) == 0
 
@@ -114,14 +94,14 @@ def test_fp8_quant_bitwise_equals_the_reference(dtype):
 
 
 def test_fp8_reference_path_matches_dense():
-    wq, ws, w_dense = _weights(72, 260, "cpu", seed=3)
+    wq, ws, w_dense = fp8_weights(72, 260, "cpu", seed=3)
     x = torch.randn(4, 260, dtype=torch.float64)
     y = fp8_block_linear_reference(x, wq, ws, torch.float64)
     assert torch.allclose(y, x @ w_dense.t(), rtol=1e-10, atol=1e-10)
 
 
 def test_fp8_gemm_rejects_bad_scale_shape(device):
-    wq, ws, _ = _weights(200, 300, device, seed=4)
+    wq, ws, _ = fp8_weights(200, 300, device, seed=4)
     with pytest.raises(ValueError, match="weight_scale_inv must be float32"):
         fp8_block_linear(torch.randn(2, 300, dtype=torch.float16, device=device), wq, ws[:, :2],
                          weight_only=True)
@@ -131,20 +111,20 @@ def test_fp8_gemm_rejects_bad_scale_shape(device):
 @pytest.mark.parametrize("m", M_VALUES + [1024])
 def test_fp8_gpu_full_size_bf16(m):
     n, k = 4040, 7100  # partial edge blocks: 4040 = 31.6 x 128, 7100 = 55.5 x 128
-    wq, ws, w_dense = _weights(n, k, "cuda", seed=m)
+    wq, ws, w_dense = fp8_weights(n, k, "cuda", seed=m)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     xq, xs = per_token_group_quant_fp8(x)  # the Triton quantizer
     _check_quantizer(x, xq, xs)
-    a_dense = _dequant_act(xq, xs, k)
-    y = fp8_block_linear(x, wq, ws, out=_poisoned(m, n, torch.bfloat16, "cuda"))  # default path
+    a_dense = dequant_act(xq, xs, k)
+    y = fp8_block_linear(x, wq, ws, out=poisoned(m, n, torch.bfloat16, "cuda"))  # default path
     _check(y, x.cpu().to(torch.float64), w_dense, torch.bfloat16, tol=4e-2)  # either A path
-    y0 = fp8_block_linear(xq, wq, ws, x_scale=xs, out=_poisoned(m, n, torch.bfloat16, "cuda"))
+    y0 = fp8_block_linear(xq, wq, ws, x_scale=xs, out=poisoned(m, n, torch.bfloat16, "cuda"))
     _check(y0, a_dense, w_dense, torch.bfloat16)
     if m <= 300:
         for split in (1, 5):
             y1 = fp8_block_linear(x, wq, ws, fuse_quant=True, config=_cfg(min(m, 64), split, 128),
-                                  out=_poisoned(m, n, torch.bfloat16, "cuda"))
+                                  out=poisoned(m, n, torch.bfloat16, "cuda"))
             _check(y1, a_dense, w_dense, torch.bfloat16)
             y2 = fp8_block_linear(x, wq, ws, weight_only=True, config=_cfg(min(m, 64), split, 128),
-                                  out=_poisoned(m, n, torch.bfloat16, "cuda"))
+                                  out=poisoned(m, n, torch.bfloat16, "cuda"))
             _check(y2, x.cpu().to(torch.float64), w_dense, torch.bfloat16)

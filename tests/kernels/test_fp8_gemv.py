@@ -11,35 +11,12 @@ refused by cuBLAS with the Triton fallback).
 import pytest
 import torch
 
-from dsquant import formats as F
 from dsquant.runtime.kernels.fp8_gemm import cublas_refused, fp8_block_linear
 from dsquant.runtime.kernels.fp8_quant import (per_token_group_quant_fp8,
                                                per_token_group_quant_fp8_reference)
 from dsquant.runtime.kernels.gemm_configs import (FP8_CUBLAS_MIN_M, FP8_GEMV_MAX_WORK, FP8_GEMV_MAX_M, GemmConfig,
                                                   fp8_config, fp8_gemv_candidates)
-
-
-def _weights(n, k, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=gen) * 0.05
-    w[: min(n, 128), : min(k, 128)] *= 8  # blocks with different scales
-    wq, ws = F.quantize_fp8_block(w)
-    return wq.to(device), ws.to(device), F.dequantize_fp8_block(wq, ws, torch.float64)  # [N, K]
-
-
-def _dequant_act(xq, xs, k):
-    return xq.cpu().to(torch.float64) * xs.cpu().to(torch.float64).repeat_interleave(128, 1)[:, :k]
-
-
-def _check(y, a_dense, w_dense, tol):
-    ref = a_dense @ w_dense.t()  # [M, N] float64
-    assert torch.isfinite(y).all(), "output has NaN/Inf: some element was not written"
-    err = ((y.cpu().to(torch.float64) - ref).norm() / ref.norm()).item()
-    assert err < tol, err
-
-
-def _poisoned(m, n, dtype, device):
-    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
+from tests.kernels.fp8_cases import check_fp8_product, dequant_act, fp8_weights, poisoned
 
 
 def _gemv_cfg(m, block_n, split, warps=4):
@@ -53,27 +30,27 @@ SHAPES = [(200, 320), (256, 384)]  # (N, K): partial edge blocks, and whole bloc
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("block_n,split", [(64, 1), (32, 2), (16, 3)])
 def test_fp8_gemv_prequantized_matches_reference(device, m, n, k, block_n, split):
-    wq, ws, w_dense = _weights(n, k, device, seed=10 * m + split)
+    wq, ws, w_dense = fp8_weights(n, k, device, seed=10 * m + split)
     x = torch.randn(m, k, dtype=torch.float16, device=device)
     xq, xs = per_token_group_quant_fp8_reference(x)  # [M, K] e4m3, [M, ceil(K/128)]
     counters = torch.zeros(32, dtype=torch.int32, device=device)
     y = fp8_block_linear(xq, wq, ws, x_scale=xs, out_dtype=torch.float16,
                          config=_gemv_cfg(m, block_n, split), splitk_counters=counters,
-                         out=_poisoned(m, n, torch.float16, device))
-    _check(y, _dequant_act(xq, xs, k), w_dense, 2e-3)
+                         out=poisoned(m, n, torch.float16, device))
+    check_fp8_product(y, dequant_act(xq, xs, k), w_dense, 2e-3)
     assert int(counters.abs().sum()) == 0, "split-K counters must be left zero"
 
 
 def test_fp8_gemv_is_the_default_path_for_small_m(device):
     n, k = 200, 320
-    wq, ws, w_dense = _weights(n, k, device, seed=5)
+    wq, ws, w_dense = fp8_weights(n, k, device, seed=5)
     for m in range(1, FP8_GEMV_MAX_M + 1):
         assert fp8_config(m, n, k, device).path == "gemv"
         x = torch.randn(m, k, dtype=torch.float16, device=device)
         xq, xs = per_token_group_quant_fp8_reference(x)
         y = fp8_block_linear(xq, wq, ws, x_scale=xs, out_dtype=torch.float16,
-                             out=_poisoned(m, n, torch.float16, device))
-        _check(y, _dequant_act(xq, xs, k), w_dense, 2e-3)
+                             out=poisoned(m, n, torch.float16, device))
+        check_fp8_product(y, dequant_act(xq, xs, k), w_dense, 2e-3)
     assert fp8_config(FP8_GEMV_MAX_M + 1, n, k, device).path != "gemv"
 
 
@@ -85,15 +62,15 @@ def test_fp8_config_paths_by_token_count():
 
 def test_fp8_gemv_weight_only_keeps_x_unquantized(device):
     m, n, k = 2, 136, 392
-    wq, ws, w_dense = _weights(n, k, device, seed=7)
+    wq, ws, w_dense = fp8_weights(n, k, device, seed=7)
     x = torch.randn(m, k, dtype=torch.float16, device=device)
     y = fp8_block_linear(x, wq, ws, weight_only=True, config=_gemv_cfg(m, 64, 2),
-                         out=_poisoned(m, n, torch.float16, device))
-    _check(y, x.cpu().to(torch.float64), w_dense, 2e-3)  # exact x: the tiled weight-only path
+                         out=poisoned(m, n, torch.float16, device))
+    check_fp8_product(y, x.cpu().to(torch.float64), w_dense, 2e-3)  # exact x: the tiled weight-only path
 
 
 def test_fp8_gemv_rejects_too_many_tokens(device):
-    wq, ws, _ = _weights(200, 320, device, seed=8)
+    wq, ws, _ = fp8_weights(200, 320, device, seed=8)
     x = torch.randn(FP8_GEMV_MAX_M + 1, 320, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="'gemv' serves M <= 4"):
         fp8_block_linear(x, wq, ws, weight_only=False, config=_gemv_cfg(4, 64, 1))
@@ -112,14 +89,14 @@ def test_fp8_cublas_refusal_falls_back_to_triton_prequantized(device):
     """cuBLAS refuses N % 16 != 0 (and runs nothing on CPU): the Triton kernel answers, and the
     refusal is remembered for the shape."""
     m, n, k = 32, 200, 256
-    wq, ws, w_dense = _weights(n, k, device, seed=9)
+    wq, ws, w_dense = fp8_weights(n, k, device, seed=9)
     x = torch.randn(m, k, dtype=torch.float16, device=device)
     xq, xs = per_token_group_quant_fp8_reference(x)
     forced = GemmConfig(32, 64, 1, 4, 2, path="cublas")
     for _ in range(2):
         y = fp8_block_linear(xq, wq, ws, x_scale=xs, out_dtype=torch.float16, config=forced,
-                             weight_only=False, out=_poisoned(m, n, torch.float16, device))
-        _check(y, _dequant_act(xq, xs, k), w_dense, 2e-3)
+                             weight_only=False, out=poisoned(m, n, torch.float16, device))
+        check_fp8_product(y, dequant_act(xq, xs, k), w_dense, 2e-3)
     assert cublas_refused(n, k, torch.float16, device)
 
 
@@ -128,20 +105,20 @@ def test_fp8_cublas_refusal_falls_back_to_triton_prequantized(device):
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("k,n", [(7168, 18432), (2048, 2816), (7100, 4040)])
 def test_fp8_gemv_gpu_in_kernel_quant_bf16(m, k, n):
-    wq, ws, w_dense = _weights(n, k, "cuda", seed=m)
+    wq, ws, w_dense = fp8_weights(n, k, "cuda", seed=m)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     xq, xs = per_token_group_quant_fp8(x)  # the same quant_group_fp8 arithmetic as the GEMV
-    a_dense = _dequant_act(xq, xs, k)
+    a_dense = dequant_act(xq, xs, k)
     small = m * n * k <= FP8_GEMV_MAX_WORK or (m <= 2 and (n % 128 != 0 or k % 128 != 0))
     assert (fp8_config(m, n, k, "cuda").path == "gemv") == small  # else cuBLAS or the tiles
     counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
     for cfg in (None, _gemv_cfg(m, 64, 1), _gemv_cfg(m, 32, 8), _gemv_cfg(m, 128, 4, warps=8)):
         y = fp8_block_linear(x, wq, ws, config=cfg, splitk_counters=counters,
-                             out=_poisoned(m, n, torch.bfloat16, "cuda"))
-        _check(y, a_dense, w_dense, 1e-2)
+                             out=poisoned(m, n, torch.bfloat16, "cuda"))
+        check_fp8_product(y, a_dense, w_dense, 1e-2)
         assert int(counters.abs().sum()) == 0
-    y0 = fp8_block_linear(xq, wq, ws, x_scale=xs, out=_poisoned(m, n, torch.bfloat16, "cuda"))
-    _check(y0, a_dense, w_dense, 1e-2)
+    y0 = fp8_block_linear(xq, wq, ws, x_scale=xs, out=poisoned(m, n, torch.bfloat16, "cuda"))
+    check_fp8_product(y0, a_dense, w_dense, 1e-2)
 
 
 @pytest.mark.gpu
@@ -150,26 +127,26 @@ def test_fp8_cublas_path_matches_reference(m):
     k, n = 7168, 4096 if m >= 128 else 18432  # decode sizes take cuBLAS on the large weight
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("blockwise _scaled_mm runs on sm_90 only")
-    wq, ws, w_dense = _weights(n, k, "cuda", seed=m)
+    wq, ws, w_dense = fp8_weights(n, k, "cuda", seed=m)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     assert fp8_config(m, n, k, "cuda").path == "cublas"
     xq, xs = per_token_group_quant_fp8(x)
-    y = fp8_block_linear(x, wq, ws, out=_poisoned(m, n, torch.bfloat16, "cuda"))
-    _check(y, _dequant_act(xq, xs, k), w_dense, 1e-2)
+    y = fp8_block_linear(x, wq, ws, out=poisoned(m, n, torch.bfloat16, "cuda"))
+    check_fp8_product(y, dequant_act(xq, xs, k), w_dense, 1e-2)
     assert not cublas_refused(n, k, torch.bfloat16, "cuda"), "cuBLAS refused a DeepSeek shape"
     y_new = fp8_block_linear(x, wq, ws)  # no out: cuBLAS's own buffer, first M rows
     assert y_new.shape == (m, n) and y_new.is_contiguous()
-    _check(y_new, _dequant_act(xq, xs, k), w_dense, 1e-2)
+    check_fp8_product(y_new, dequant_act(xq, xs, k), w_dense, 1e-2)
 
 
 @pytest.mark.gpu
 def test_fp8_cublas_refusal_falls_back_to_triton():
     m, n, k = 256, 200, 512  # N % 16 != 0: _scaled_mm refuses it
-    wq, ws, w_dense = _weights(n, k, "cuda", seed=3)
+    wq, ws, w_dense = fp8_weights(n, k, "cuda", seed=3)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     xq, xs = per_token_group_quant_fp8(x)
     forced = GemmConfig(128, 128, 1, 8, 3, path="cublas")
     for _ in range(2):  # the second call skips cuBLAS (remembered), same result
-        y = fp8_block_linear(x, wq, ws, config=forced, out=_poisoned(m, n, torch.bfloat16, "cuda"))
-        _check(y, _dequant_act(xq, xs, k), w_dense, 1e-2)
+        y = fp8_block_linear(x, wq, ws, config=forced, out=poisoned(m, n, torch.bfloat16, "cuda"))
+        check_fp8_product(y, dequant_act(xq, xs, k), w_dense, 1e-2)
     assert cublas_refused(n, k, torch.bfloat16, "cuda")

@@ -113,6 +113,23 @@ def cublas_refused(n: int, k: int, out_dtype: torch.dtype, device) -> bool:
     return (n, k, out_dtype, d) in _CUBLAS_REFUSED
 
 
+def cublas_scale_layout(weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """weight_scale_inv [nb, kb] as cuBLASLt's 128 x 128 block scaling reads it: row-major with a
+    row pitch of round_up(kb, 4) (cuBLASLt pads each row of K blocks to a multiple of 4; torch
+    2.11's `_scaled_mm` checks only a pitch of kb and passes the pointer through, so an unpadded
+    matrix with kb % 4 != 0 is read at shifted rows: every block row after the first took
+    another row's scales, H200, torch 2.11). A [nb, kb] view of a padded buffer (no copy when
+    `weight_scale_inv` is already laid out so); the Triton kernels read it through its strides.
+    """
+    nb, kb = weight_scale_inv.shape
+    pitch = triton.cdiv(kb, 4) * 4
+    if weight_scale_inv.stride(1) == 1 and (nb == 1 or weight_scale_inv.stride(0) == pitch):
+        return weight_scale_inv
+    padded = weight_scale_inv.new_zeros(nb, pitch)  # [nb, pitch]
+    padded[:, :kb] = weight_scale_inv
+    return padded[:, :kb]
+
+
 def _cublas_block_linear(x2, x_scale, weight, weight_scale_inv, out_dtype):
     """y [M, N] through cuBLASLt's blockwise FP8 GEMM (1 x 128 x scales, 128 x 128 weight
     scales), or None where it cannot run (then remembered per shape, without a host sync).
@@ -132,7 +149,7 @@ def _cublas_block_linear(x2, x_scale, weight, weight_scale_inv, out_dtype):
         xq, xs = per_token_group_quant_fp8(x2, FP8_BLOCK, column_major_scales=True,
                                            rows_multiple=CUBLAS_ROWS)  # [M', K], [M', K/128]
     try:
-        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale_inv.contiguous().t(),
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=cublas_scale_layout(weight_scale_inv).t(),
                              out_dtype=out_dtype)  # [M', N]
     except (RuntimeError, ValueError):  # shape, dtype or library version cuBLAS does not take
         _CUBLAS_REFUSED.add(key)

@@ -111,7 +111,9 @@ class CTFloat8Method(LinearMethod):
             return super().process_weights_after_loading(layer)
         n, k = layer.weight.shape
         if self.strategy == "block":
-            layer.scale_inv = layer.weight_scale.to(torch.float32).contiguous()
+            from dsquant.runtime.kernels.fp8_gemm import cublas_scale_layout
+
+            layer.scale_inv = cublas_scale_layout(layer.weight_scale.to(torch.float32).contiguous())
             layer.out_scale = None
         else:
             # per-row scales commute with the GEMM: y = (x @ weight^T) * scale[n]

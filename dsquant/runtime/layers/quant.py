@@ -173,7 +173,10 @@ class FP8BlockMethod(LinearMethod):
                 layer.cpu_weight = self.dequantized_weight(layer, torch.float32)  # [N, K]
                 return None
             return super().process_weights_after_loading(layer)
-        layer.weight_scale_inv.data = layer.weight_scale_inv.data.to(torch.float32).contiguous()
+        from dsquant.runtime.kernels.fp8_gemm import cublas_scale_layout
+
+        # one layout for every kernel: the Triton ones read the strides, cuBLAS needs the padding
+        layer.weight_scale_inv.data = cublas_scale_layout(layer.weight_scale_inv.data.to(torch.float32))
 
     def apply(self, layer, x):
         if not self.use_kernels(x):

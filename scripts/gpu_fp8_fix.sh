@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One H200 call for issue 17: the named pytest files on the code of 57581c7 (the dsquant files kept
+# under .old/ swapped in) and on this tree, then `dsquant demo --device cuda` and a CPU validate
+# of the same GPU-made artifacts. Logs under $OUT.
+# Usage: TESTS="tests/kernels/test_fp8_cublas.py ..." scripts/gpu_fp8_fix.sh [old] [new] [demo]
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/dsquant_triton_cache}
+OUT=${OUT:-out}; mkdir -p "$OUT"
+SITE=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .wheels/*.whl 2>&1 | tail -2
+export PYTHONPATH="$PWD:$SITE"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n ${WORKERS:-4}"
+swap() {  # swap the files under .old/ with the tree's
+  for f in $(cd .old && find dsquant -name '*.py'); do
+    cp "$f" "/tmp/swap.$$" && cp ".old/$f" "$f" && cp "/tmp/swap.$$" ".old/$f"
+  done
+}
+for step in "$@"; do
+  start=$(date +%s)
+  case $step in
+    old) swap; timeout "${TEST_S:-200}" python3 -m pytest -q -m gpu $XD -p no:cacheprovider ${TESTS} \
+           --timeout 180 -rf 2>&1 | tail -${TAIL:-60} > "$OUT/tests-old.txt"; swap ;;
+    new) timeout "${TEST_S:-200}" python3 -m pytest -q -m gpu $XD -p no:cacheprovider ${TESTS} \
+           --timeout 180 -rf -s 2>&1 | tail -${TAIL:-80} > "$OUT/tests-new.txt" ;;
+    demo) timeout "${DEMO_S:-300}" python3 -m dsquant demo --device cuda --out /tmp/demo > "$OUT/demo-cuda.txt" 2>&1
+          echo "demo rc=$?" >> "$OUT/demo-cuda.txt"
+          timeout "${CPUVAL_S:-200}" python3 -m dsquant validate /tmp/demo/fp8-block /tmp/demo/mixed-fp8attn-w4experts \
+             /tmp/demo/awq-w4g128 /tmp/demo/gptq-w4g128 --baseline dsquant/assets/models/dsq-tiny-v3 \
+             --device cpu --no-latency --no-peers --window 512 --stride 256 --max-eval-tokens 16384 \
+             --out /tmp/demo-cpu > "$OUT/demo-cpu-validate.txt" 2>&1
+          echo "cpu validate rc=$?" >> "$OUT/demo-cpu-validate.txt"
+          cp /tmp/demo/report/report.json "$OUT/demo-cuda-report.json" 2>/dev/null
+          cp /tmp/demo-cpu/report.json "$OUT/demo-cpu-report.json" 2>/dev/null ;;
+    *) echo "unknown step $step" ;;
+  esac
+  echo "== $step: $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
+done
+tail -5 "$OUT"/tests-*.txt 2>/dev/null; grep -A14 "perplexity\|ppl" "$OUT/demo-cuda.txt" 2>/dev/null | tail -16; tail -14 "$OUT/demo-cpu-validate.txt" 2>/dev/null
