@@ -91,8 +91,16 @@ def unpack_gptq_qweight(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_gptq_qzeros(z: torch.Tensor) -> torch.Tensor:
-    """zero points [K/G, N] (1..15 for 4-bit) -> int32 [K/G, N/8] storing z - 1 (GPTQ v1)."""
-    return _pack_last_dim((z.to(torch.int32) - 1) & 0xF, range(8))
+    """zero points [K/G, N] (1..16 for 4-bit) -> int32 [K/G, N/8] storing z - 1 (GPTQ v1).
+
+    GPTQ v1 cannot store a zero point of 0 (it would wrap to 15 and read back as 16, another
+    weight): such grids are refused; clamp z to >= 1 and re-round the codes first (calibrate/gptq.py).
+    """
+    z = z.to(torch.int32)
+    if z.numel() and (int(z.min()) < 1 or int(z.max()) > 16):
+        raise ValueError(f"GPTQ v1 stores zero points 1..16 (as z - 1 in 4 bits), got {int(z.min())}.."
+                         f"{int(z.max())}: clamp the zero points to >= 1 and re-round the codes")
+    return _pack_last_dim((z - 1) & 0xF, range(8))
 
 
 def unpack_gptq_qzeros(qzeros: torch.Tensor) -> torch.Tensor:
