@@ -20,7 +20,8 @@ Split-K over the 128-blocks (splitk.store_tile) spreads decode sizes over every 
 
 fp8_block_linear dispatches on the token count (gemm_configs.fp8_config): M <= 4 runs the GEMV of
 fp8_gemv.py, prefill on sm_90 (M >= 128, N and K multiples of 128) runs cuBLASLt's blockwise
-`torch._scaled_mm` on x quantized by fp8_quant.py, everything else this kernel.
+`torch._scaled_mm` on x quantized by fp8_quant.py, everything else this kernel. The weight scales
+go to cuBLAS row-padded (cublas_scale_layout), the layout the runtime stores them in.
 """
 from __future__ import annotations
 
@@ -115,11 +116,14 @@ def cublas_refused(n: int, k: int, out_dtype: torch.dtype, device) -> bool:
 
 def cublas_scale_layout(weight_scale_inv: torch.Tensor) -> torch.Tensor:
     """weight_scale_inv [nb, kb] as cuBLASLt's 128 x 128 block scaling reads it: row-major with a
-    row pitch of round_up(kb, 4) (cuBLASLt pads each row of K blocks to a multiple of 4; torch
-    2.11's `_scaled_mm` checks only a pitch of kb and passes the pointer through, so an unpadded
-    matrix with kb % 4 != 0 is read at shifted rows: every block row after the first took
-    another row's scales, H200, torch 2.11). A [nb, kb] view of a padded buffer (no copy when
-    `weight_scale_inv` is already laid out so); the Triton kernels read it through its strides.
+    row pitch of round_up(kb, 4) (cuBLASLt pads each row of K blocks to a multiple of 4).
+
+    torch 2.11's `_scaled_mm` checks for a pitch of exactly kb and passes the pointer through, so
+    an unpadded matrix with kb % 4 != 0 was taken and read at shifted rows (every block row after
+    the first got another row's scales: the tiny model's q_b_proj, N 256 K 128, had relative error
+    0.71), while this padded layout is refused there for kb % 4 != 0 and the Triton kernel runs.
+    A torch that checks the padded pitch takes it. Returns a [nb, kb] view of a padded buffer (no
+    copy when `weight_scale_inv` is already laid out so); the Triton kernels read its strides.
     """
     nb, kb = weight_scale_inv.shape
     pitch = triton.cdiv(kb, 4) * 4
