@@ -22,7 +22,7 @@ from dsquant.calibrate.recipe import Recipe, load_recipe
 from dsquant.errors import ConfigError, DsquantError
 from dsquant.export import codecs
 from dsquant.export.writer import ArtifactWriter
-from dsquant.models.loader import load_layer, open_model, release_layer
+from dsquant.models.loader import check_layer_headers, load_layer, open_model, release_layer
 
 
 @dataclass
@@ -92,9 +92,9 @@ def run_quantize(args: QuantizeArgs, progress=None) -> QuantizeReport:
     model_dir = Path(args.model_dir)
     model, source = open_model(model_dir)
     cfg = model.config
+    check_layer_headers(model, source)  # every layer against config.json before the first is quantized
     _check_group_sizes(model, recipe)
     fmt = codecs.export_format(recipe)
-    scale_dtype = codecs.scale_dtype_for(fmt)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DsquantError("--device cuda: no CUDA device is available")
@@ -111,7 +111,18 @@ def run_quantize(args: QuantizeArgs, progress=None) -> QuantizeReport:
                "n_samples": args.n_samples, "seqlen": args.seqlen, "seed": args.seed,
                "device": device.type}
     writer = ArtifactWriter(args.out_dir, cfg.num_hidden_layers, run_key, args.force)
+    try:
+        return _run_layers(args, model, source, recipe, fmt, device, compute_dtype, samples, data_hash, writer,
+                           progress)
+    except BaseException:
+        writer.discard_if_empty()  # a run that saved no progress leaves no OUT.partial behind
+        raise
 
+
+def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, fmt: str, device, compute_dtype, samples,
+                data_hash: str, writer: ArtifactWriter, progress) -> QuantizeReport:
+    """Calibrate and write every layer from the writer's resume point, then finalize the artifact."""
+    cfg, model_dir, scale_dtype = model.config, Path(args.model_dir), codecs.scale_dtype_for(fmt)
     t0 = time.time()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -130,7 +141,8 @@ def run_quantize(args: QuantizeArgs, progress=None) -> QuantizeReport:
         layer, prefix = model.model.layers[i], f"model.layers.{i}"
         result = quantize_layer(layer, prefix, hidden, ctx, recipe, scale_dtype, args.batch_size)
         hidden = layer_forward(layer, hidden, ctx, args.batch_size)
-        writer.write_shard(i, _layer_tensors(layer, prefix, result, fmt))
+        writer.write_shard(i, _layer_tensors(layer, prefix, result, fmt),
+                           reserve=hidden.numel() * hidden.element_size())
         stats = {"seconds": round(time.time() - t_layer, 3), "errors": result.errors,
                  "schemes": {n: [w.spec.scheme, w.spec.group_size] for n, w in result.weights.items()},
                  "fallback_experts": result.fallback_experts, "peak_host_bytes": _peak_host_bytes(),
@@ -152,6 +164,7 @@ def run_quantize(args: QuantizeArgs, progress=None) -> QuantizeReport:
     config = dict(cfg.raw)
     config["quantization_config"] = codecs.quantization_config(fmt, recipe, schemes, kept)
     config["torch_dtype"] = config["dtype"] = "bfloat16"
+    config["dsquant"] = {"version": _versions()["dsquant"], "manifest": "dsquant.json"}  # serving insists on it
     errors = {n: e for st in layers.values() for n, e in st["errors"].items()}
     manifest = {
         "dsquant_version": _versions()["dsquant"], "format": fmt, "recipe": recipe.to_dict(),

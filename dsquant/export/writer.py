@@ -6,6 +6,12 @@ resume state (next layer, its input hidden states, per-layer stats). The last sh
 embeddings, final norm and lm_head. `finalize` writes config.json, the index, dsquant.json and
 the tokenizer files, then renames `OUT.partial` to `OUT`. An existing OUT is replaced only
 with force=True; a partial run with other arguments is refused rather than mixed.
+
+Disk: before each write the free space must hold what the write and the ones right after it
+need (a shard plus the resume hidden states, which are ~1 GB for a real model); a failed write
+(OSError or SafetensorError) is one DsquantError naming the file and the bytes, the temporary
+file is removed and OUT.partial stays resumable. A run that fails before saving any progress
+leaves no OUT.partial behind (`discard_if_empty`).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dsquant.errors import DsquantError
@@ -22,6 +29,7 @@ from dsquant.models.checkpoint import sha256_file
 
 STATE = "resume.json"
 HIDDEN = "resume_hidden.safetensors"
+MARGIN = 1 << 20  # resume.json, the index and filesystem overhead
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json",
                    "chat_template.jinja")
@@ -53,12 +61,30 @@ class ArtifactWriter:
             else:
                 self.state = old
         self.partial.mkdir(parents=True, exist_ok=True)
-        self._check_disk()
+        self._check_disk(1 << 26, "a run")
 
-    def _check_disk(self, need: int = 1 << 26) -> None:
+    def _check_disk(self, need: int, what: str) -> None:
         free = shutil.disk_usage(self.partial).free
         if free < need:
-            raise DsquantError(f"{self.partial}: only {free >> 20} MiB free on this disk")
+            raise DsquantError(f"{self.partial}: {what} needs {need} bytes ({need / 2 ** 20:.1f} MiB) free, "
+                               f"the disk has {free} ({free / 2 ** 20:.1f} MiB)")
+
+    def _save(self, tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+        """save_file to path + '.tmp', then rename; a failure removes the temporary file."""
+        tmp = path.with_name(path.name + ".tmp")
+        nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except (OSError, SafetensorError) as e:
+            tmp.unlink(missing_ok=True)
+            raise DsquantError(f"{tmp}: cannot write {nbytes} bytes ({e}); {self.partial} is kept: "
+                               "free some space and rerun the same command to resume") from None
+        os.replace(tmp, path)
+
+    def discard_if_empty(self) -> None:
+        """Remove OUT.partial if no layer's progress was saved in it (nothing to resume)."""
+        if self.partial.is_dir() and not (self.partial / STATE).exists():
+            shutil.rmtree(self.partial, ignore_errors=True)
 
     @property
     def next_layer(self) -> int:
@@ -67,25 +93,23 @@ class ArtifactWriter:
     def shard_name(self, index: int) -> str:
         return f"model-{index + 1:05d}-of-{self.total:05d}.safetensors"
 
-    def write_shard(self, index: int, tensors: dict[str, torch.Tensor]) -> str:
-        """Write shard `index` (0-based; layer i is shard i, the last is non-layer tensors)."""
+    def write_shard(self, index: int, tensors: dict[str, torch.Tensor], reserve: int = 0) -> str:
+        """Write shard `index` (0-based; layer i is shard i, the last is non-layer tensors).
+
+        `reserve`: bytes the writes right after this one need (the resume hidden states)."""
         name = self.shard_name(index)
-        tmp = self.partial / (name + ".tmp")
         cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-        self._check_disk(sum(v.numel() * v.element_size() for v in cpu.values()) + (1 << 20))
-        try:
-            save_file(cpu, str(tmp), metadata={"format": "pt"})
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise DsquantError(f"{tmp}: cannot write shard ({e})") from None
-        os.replace(tmp, self.partial / name)
+        shard_bytes = sum(v.numel() * v.element_size() for v in cpu.values())
+        self._check_disk(shard_bytes + reserve + MARGIN, f"shard {name} ({shard_bytes} bytes) and the "
+                                                         f"resume state ({reserve} bytes)")
+        self._save(cpu, self.partial / name, {"format": "pt"})
         return name
 
     def save_progress(self, next_layer: int, hidden: torch.Tensor, layer_stats: dict) -> None:
         """After layer next_layer - 1: its outputs (the next inputs) and its stats, atomically."""
-        tmp = self.partial / (HIDDEN + ".tmp")
-        save_file({"hidden": hidden.detach().contiguous().cpu()}, str(tmp))
-        os.replace(tmp, self.partial / HIDDEN)
+        hidden = hidden.detach().contiguous().cpu()
+        self._check_disk(hidden.numel() * hidden.element_size() + MARGIN, f"{HIDDEN}")
+        self._save({"hidden": hidden}, self.partial / HIDDEN)
         self.state["next_layer"] = next_layer
         self.state["layers"][str(next_layer - 1)] = layer_stats
         _atomic_write_text(self.partial / STATE, json.dumps(self.state, indent=1))

@@ -31,6 +31,26 @@ def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+def check_shard_size(path: str | Path) -> None:
+    """Check a safetensors file's size against its header: 8 bytes of header length, the JSON
+    header, then exactly the bytes its tensors' data_offsets end at. Catches truncated or padded
+    shards without reading the data (a cheap check where no checksums are known)."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+            if not 0 < n <= size - 8:
+                raise ValueError(f"header length {n} does not fit the file's {size} bytes")
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
+    if size != 8 + n + end:
+        raise CheckpointError(f"{path}: the header says {8 + n + end} bytes but the file has {size}; "
+                              "the shard is truncated or corrupt")
+
+
 def layer_of(key: str) -> int | None:
     """Decoder-layer index of a tensor name, or None for embeddings, final norm, lm_head."""
     m = _LAYER_RE.match(key)

@@ -166,6 +166,41 @@ def check_unexpected(model: CausalLM, source: WeightSource) -> None:
                               f"{model.config.architecture} ({len(left)} unexpected tensors)")
 
 
+_QUANTIZED_WEIGHT_PARTS = ("weight_packed", "qweight")  # a dense weight's quantized forms (shape checked on load)
+
+
+def check_layer_headers(model: CausalLM, source: WeightSource) -> None:
+    """Check every decoder layer against config.json from the safetensors headers alone, before
+    any layer is loaded: each tensor the model needs is there with its shape, and no layer lies
+    beyond num_hidden_layers but the num_nextn_predict_layers MTP layers (told apart by their
+    `eh_proj` tensor: a plain decoder layer there means num_hidden_layers is too small)."""
+    reader, cfg = source.reader, model.config
+    n = cfg.num_hidden_layers
+    present = sorted({layer_of(k) for k in reader.keys()} - {None})
+    have = f"the checkpoint has layers {present[0]}..{present[-1]}" if present else "the checkpoint has no layers"
+    extra = int(cfg.raw.get("num_nextn_predict_layers") or 0)
+    beyond = [i for i in present if i >= n + extra
+              or (i >= n and not any(".eh_proj." in k for k in reader.layer_keys(i)))]
+    if beyond:
+        key = reader.layer_keys(beyond[0])[0]
+        raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} is in layer {beyond[0]}, but config.json "
+                              f"says num_hidden_layers {n} ({have})")
+    metas = dict(model.named_parameters(remove_duplicate=False))
+    metas.update(dict(model.named_buffers(remove_duplicate=False)))
+    for i in range(n):
+        for name in _names_of(model, i):
+            expected = tuple(metas[name].shape)
+            if name in reader:
+                shape = reader.shape(name)
+                if shape != expected:
+                    raise CheckpointError(f"{reader.file_of(name)}: tensor {name!r} has shape {shape}, expected "
+                                          f"{expected} from config.json")
+            elif not (name.endswith(".weight")
+                      and any(f"{name[:-len('weight')]}{p}" in reader for p in _QUANTIZED_WEIGHT_PARTS)):
+                raise CheckpointError(f"{reader.root}: tensor {name!r} is missing, but config.json says "
+                                      f"num_hidden_layers {n} ({have})")
+
+
 def open_model(path: str | Path, backends: Backends | None = None) -> tuple[CausalLM, WeightSource]:
     """Config + meta-device model + weight source, for layer-by-layer streaming."""
     cfg = load_config(path)

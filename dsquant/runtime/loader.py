@@ -1,7 +1,10 @@
 """Load a checkpoint or dsquant artifact for serving: checksums, quantized linears, repacking.
 
 1. If the directory has a dsquant.json manifest with a "shards" map {filename: sha256}, every
-   listed shard is hashed and a mismatch is refused, naming the shard.
+   listed shard is hashed and a mismatch is refused, naming the shard. Without one, an artifact
+   whose config.json says dsquant made it (its "dsquant" key) is refused: its manifest was lost
+   and nothing vouches for its shards (verify=False, `dsquant serve --no-verify`, serves it
+   anyway). Other checkpoints get the cheap check: each shard's size against its header.
 2. The model is built with a LinearFactory (one method object per Linear, chosen from
    quantization_config) and the runtime's attention and MoE backends.
 3. Layer by layer: float tensors of plain modules load through models.loader (cast to the model
@@ -19,19 +22,43 @@ import torch
 from dsquant.config import load_config
 from dsquant.errors import CheckpointError
 from dsquant.models.causal_lm import CausalLM
-from dsquant.models.checkpoint import CheckpointReader, sha256_file
+from dsquant.models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader, check_shard_size, sha256_file
 from dsquant.models.layers import Backends
 from dsquant.models.loader import FLOAT_DTYPES, WeightSource, check_unexpected, default_dtype, load_tensors
 from dsquant.runtime.layers.linear import LinearFactory, QuantLinear
 
 MANIFEST = "dsquant.json"
+MADE_BY_KEY = "dsquant"  # config.json key dsquant quantize writes: {"version", "manifest"}
+
+
+def _made_by_dsquant(root: Path) -> bool:
+    try:
+        return MADE_BY_KEY in json.loads((root / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False  # load_config reports a missing or broken config.json
+
+
+def _shard_files(root: Path) -> list[Path]:
+    try:
+        index = json.loads((root / INDEX_NAME).read_text())["weight_map"]
+        return [root / f for f in sorted(set(index.values())) if (root / f).is_file()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return [root / SINGLE_NAME] if (root / SINGLE_NAME).is_file() else []  # CheckpointReader reports the rest
 
 
 def verify_manifest(model_dir: str | Path) -> int:
-    """Check the shards listed in dsquant.json against their sha256; return how many were checked."""
+    """Check the shards listed in dsquant.json against their sha256; return how many were checked.
+
+    Without dsquant.json: refuse a dsquant-made artifact, else check each shard's size against
+    its safetensors header (and return 0)."""
     root = Path(model_dir)
     path = root / MANIFEST
     if not path.is_file():
+        if _made_by_dsquant(root):
+            raise CheckpointError(f"{path}: missing, but config.json says dsquant made this artifact; without "
+                                  "the manifest its shards cannot be checked (pass --no-verify to serve it anyway)")
+        for shard in _shard_files(root):
+            check_shard_size(shard)
         return 0
     try:
         shards = json.loads(path.read_text()).get("shards") or {}

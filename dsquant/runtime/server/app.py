@@ -8,7 +8,6 @@ ending with `data: [DONE]`), GET /v1/models, /health and /metrics. Errors use Op
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -17,78 +16,64 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsquant.runtime.engine.llm_engine import LLMEngine, load_tokenizer
+from dsquant.runtime.server import guards
 from dsquant.runtime.server import protocol as P
+from dsquant.runtime.server.api_errors import ERROR_TYPES as _ERROR_TYPES
+from dsquant.runtime.server.api_errors import ApiError
+from dsquant.runtime.server.api_errors import error_response as _error_response
 from dsquant.runtime.server.chat_template import ChatTemplate
-from dsquant.runtime.server.engine_loop import (EngineLoop, EngineUnavailable, QueueFull, RequestHandle,
-                                                RequestRejected)
+from dsquant.runtime.server.engine_loop import (EngineLoop, EngineUnavailable, QueueFull, RequestFailed,
+                                                RequestHandle, RequestRejected)
 from dsquant.runtime.server.logprobs import completion_choice
 from dsquant.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from dsquant.runtime.server.prompts import PromptEncoder
 
 log = logging.getLogger("dsquant.server")
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
-
-
-def _error_response(status: int, message: str, param: str | None = None, headers: dict | None = None):
-    return JSONResponse(P.error_body(message, _ERROR_TYPES.get(status, "server_error"), status, param),
-                        status_code=status, headers=headers)
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB: a max_model_len prompt of token ids or text fits
+_FAILURES = {RequestRejected: 400, RequestFailed: 500, EngineUnavailable: 503}
 
 
 class _Server:
     """Request handling state shared by the routes: engine loop, tokenizer, template, limits."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, api_key: str | None, max_queue: int):
-        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+    def __init__(self, engine: LLMEngine, model_name: str, api_key: str | None, max_queue: int,
+                 max_request_bytes: int):
+        self.engine, self.model_name, self.api_key = engine, model_name, guards.check_api_key(api_key)
+        self.max_request_bytes = max_request_bytes
         self.metrics = ServerMetrics(model_name)
         self.loop = EngineLoop(engine, self.metrics, max_queue)
         self.tokenizer = load_tokenizer(engine.path)  # its own instance: the engine thread decodes with its
-        self.chat_template = ChatTemplate.from_dir(engine.path)
         self.max_model_len = engine.max_model_len
+        self.prompts = PromptEncoder(self.tokenizer, ChatTemplate.from_dir(engine.path), self.max_model_len,
+                                     engine.path)
         self.block_size, self.num_blocks = engine.config.block_size, engine.block_manager.num_blocks
         self.vocab_size = engine.model.config.vocab_size
         self.created = int(time.time())
 
     def check_auth(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        if self.api_key is not None and not guards.authorized(request.headers.get("authorization", ""),
+                                                              self.api_key):
             raise ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`")
 
     async def parse(self, request: Request, model_cls):
         self.check_auth(request)
-        body = await request.body()
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        try:
-            req = model_cls.model_validate(data)
+        guards.require_json(request.headers.get("content-type"))
+        body = await guards.read_body(request, self.max_request_bytes)
+        try:  # ~10 ms for a 4 MiB body; pydantic holds the GIL, so a thread would not free the loop
+            req = P.parse_request(body, model_cls)
         except ValidationError as e:
             raise ApiError(400, *P.describe(e)) from None
         if req.model is not None and req.model != self.model_name:
             raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`",
                            "model")
         return req
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self.tokenizer is None:
-            raise ApiError(400, f"{self.engine.path} has no tokenizer.json; send the prompt as token ids")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def check_lengths(self, ids: list[int], max_tokens: int | None, param: str) -> int:
         """The request's max_tokens after checking the prompt and its output fit max_model_len."""
@@ -137,7 +122,8 @@ async def _collect(request: Request, handle: RequestHandle, first: list[float]):
         watcher.cancel()
         if not task.done():
             task.cancel()
-    return task.result() if not task.cancelled() else None
+            await asyncio.wait({task})  # a cancelled task is done only once it has run its cancellation
+    return None if task.cancelled() else task.result()
 
 
 def _sse(payload) -> str:
@@ -165,8 +151,12 @@ class _EventStream(StreamingResponse):
 
 
 def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | None = None,
-               max_queue: int = 256) -> FastAPI:
-    s = _Server(engine, model_name or engine.path.name, api_key, max_queue)
+               max_queue: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
+    """The app. allowed_hosts: Host names it answers ("*.example.com" patterns, "*" for any;
+    default: the loopback names). allowed_origins: origins granted CORS (default: none, and no
+    CORS headers at all). An empty api_key is refused (DsquantError)."""
+    s = _Server(engine, model_name or engine.path.name, api_key, max_queue, max_request_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -176,6 +166,10 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
 
     app = FastAPI(title="dsquant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server, app.state.engine_loop, app.state.metrics = s, s.loop, s.metrics
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"], max_age=600)
+    app.add_middleware(guards.HostGuard, allowed_hosts=list(allowed_hosts or guards.LOOPBACK_NAMES))  # outermost
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -190,6 +184,10 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         return _error_response(400, str(e.errors()[0].get("msg", e)))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):  # Starlette still logs the traceback
+        return _error_response(500, f"internal server error: {type(e).__name__}")
 
     @app.get("/health")
     async def health():
@@ -209,23 +207,23 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
     async def completions(request: Request):
         arrival = time.monotonic()
         req = await s.parse(request, P.CompletionRequest)
-        ids = s.encode(req.prompt, True) if isinstance(req.prompt, str) else list(req.prompt)
-        if any(not 0 <= t < s.vocab_size for t in ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {s.vocab_size})", "prompt")
+        if isinstance(req.prompt, str):
+            ids = await asyncio.to_thread(s.prompts.encode, req.prompt, True)
+        else:
+            ids = list(req.prompt)
         if req.max_tokens == 0 and not req.echo:
             raise ApiError(400, "max_tokens must be at least 1 (0 only with echo: true, to score the prompt)",
                            "max_tokens")
         max_tokens = s.check_lengths(ids, req.max_tokens, "max_tokens")
+        if any(not 0 <= t < s.vocab_size for t in ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {s.vocab_size})", "prompt")
         return await _run(request, req, ids, max_tokens, f"cmpl-{uuid.uuid4().hex}", arrival, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = time.monotonic()
         req = await s.parse(request, P.ChatCompletionRequest)
-        if s.chat_template is None:
-            raise ApiError(400, f"{engine.path}/tokenizer_config.json has no chat_template; use /v1/completions")
-        text = s.chat_template.render([{"role": m.role, "content": m.text} for m in req.messages])
-        ids = s.encode(text, False)  # the template writes BOS itself
+        ids = await asyncio.to_thread(s.prompts.chat_ids, [{"role": m.role, "content": m.text} for m in req.messages])
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = s.check_lengths(ids, req.max_completion_tokens or req.max_tokens, param)
         return await _run(request, req, ids, max_tokens, f"chatcmpl-{uuid.uuid4().hex}", arrival, chat=True)
@@ -250,12 +248,10 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
             return _EventStream(_stream(req, ids, rid, handle, first, state, chat), on_close)
         try:
             final = await _collect(request, handle, first)
-        except RequestRejected as e:
-            log_line(400, 0)
-            raise ApiError(400, str(e)) from None
-        except EngineUnavailable as e:
-            log_line(503, 0)
-            raise ApiError(503, str(e)) from None
+        except (RequestRejected, RequestFailed, EngineUnavailable) as e:
+            status = _FAILURES[type(e)]
+            log_line(status, 0)
+            raise ApiError(status, str(e)) from None
         finally:
             handle.close()
         if final is None:  # the client disconnected; the request was aborted
@@ -294,8 +290,8 @@ def create_app(engine: LLMEngine, model_name: str | None = None, api_key: str | 
                 yield _sse(chunk(usage=P.Usage.of(len(ids), state["n_out"]), choices=False))
             yield _sse("[DONE]")
             state["status"] = 200
-        except (RequestRejected, EngineUnavailable) as e:
-            state["status"] = status = 400 if isinstance(e, RequestRejected) else 503
+        except (RequestRejected, RequestFailed, EngineUnavailable) as e:
+            state["status"] = status = _FAILURES[type(e)]
             yield _sse(json.dumps(P.error_body(str(e), _ERROR_TYPES[status], status)))
             yield _sse("[DONE]")
 

@@ -4,11 +4,17 @@ SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish 
 --shutdown-timeout seconds, aborts what is left, stops the engine loop and exits 0. uvicorn
 would re-raise the signal after its graceful shutdown (exit status 143); dsquant's server class
 keeps the handling and drops the re-raise, since a drained shutdown is a clean exit.
+
+Limits and guards: request bodies over --max-request-bytes get 413; --api-key (or
+DSQUANT_API_KEY) must not be empty; POST bodies must be application/json; the Host header must
+name the server (--allowed-hosts; by default the bound address, or the loopback names when bound
+to loopback); CORS headers only for --allowed-origins.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
 import threading
@@ -22,6 +28,9 @@ def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # accepted sockets inherit it (Linux): without it a response's body waits ~40 ms behind its headers
+    # (Nagle's algorithm against the client's delayed ACK)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -55,17 +64,41 @@ def build_server(app, shutdown_timeout: float = 30.0, log_level: str = "warning"
                                  timeout_graceful_shutdown=shutdown_timeout))
 
 
+def _csv(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def _api_key(flag: str | None) -> str | None:
+    """The key to require, refusing an empty one (click treats an empty DSQUANT_API_KEY as unset)."""
+    from dsquant.runtime.server.guards import check_api_key
+
+    if flag is None and "DSQUANT_API_KEY" in os.environ:
+        flag = os.environ["DSQUANT_API_KEY"]
+    return check_api_key(flag)
+
+
 @click.command()
 @click.argument("artifact", type=str)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
 @click.option("--api-key", default=None, envvar="DSQUANT_API_KEY",
-              help="Require `Authorization: Bearer KEY` on /v1 routes (env DSQUANT_API_KEY).")
+              help="Require `Authorization: Bearer KEY` on /v1 routes (env DSQUANT_API_KEY); an empty key is "
+                   "refused.")
 @click.option("--served-model-name", default=None, help="Model name in the API. Default: the artifact's folder name.")
 @click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-model-len", default=None, type=click.IntRange(min=2), help="Default: the model config's.")
 @click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait beyond max-num-seqs running ones; more get 429.")
+@click.option("--max-request-bytes", default=4 << 20, show_default=True,  # app.DEFAULT_MAX_REQUEST_BYTES
+              type=click.IntRange(min=1024),
+              help="Largest request body accepted; bigger ones get 413.")
+@click.option("--allowed-hosts", default=None, metavar="H1,H2",
+              help="Host header values to answer (names, addresses, '*.example.com', or '*' for any); others "
+                   "get 400, which stops DNS rebinding. Default: the bound address (the loopback names when "
+                   "bound to loopback; any when bound to 0.0.0.0 or ::).")
+@click.option("--allowed-origins", default=None, metavar="O1,O2",
+              help="Origins granted CORS, e.g. https://app.example ('*' for any). Default: none, and no CORS "
+                   "headers are sent.")
 @click.option("--gpu-memory-utilization", default=0.9, show_default=True,
               type=click.FloatRange(0, 1, min_open=True))
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Default: cuda when available.")
@@ -75,10 +108,23 @@ def build_server(app, shutdown_timeout: float = 30.0, log_level: str = "warning"
               help="Processes to split the model over: one per GPU on cuda, gloo processes on cpu.")
 @click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
               help="Launch each engine step before reading the previous one's tokens.")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="Check the shards before loading: sha256 against dsquant.json (a dsquant artifact without "
+                   "one is refused), else each shard's size against its header.")
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
-          max_num_seqs: int, max_model_len: int | None, max_queue: int, gpu_memory_utilization: float,
-          device: str | None, shutdown_timeout: float, tensor_parallel_size: int, async_scheduling: bool) -> None:
-    """Serve ARTIFACT (a checkpoint or artifact directory, or a bundled model name) over an OpenAI API."""
+          max_num_seqs: int, max_model_len: int | None, max_queue: int, max_request_bytes: int,
+          allowed_hosts: str | None, allowed_origins: str | None, gpu_memory_utilization: float,
+          device: str | None, shutdown_timeout: float, tensor_parallel_size: int, async_scheduling: bool,
+          verify: bool) -> None:
+    """Serve ARTIFACT (a checkpoint or artifact directory, or a bundled model name) over an OpenAI API.
+
+    Limits: at most --max-num-seqs running plus --max-queue waiting requests (more get 429 with
+    Retry-After); bodies up to --max-request-bytes (413 beyond); prompts up to max_model_len tokens.
+    POST bodies must be Content-Type: application/json (415 otherwise). The Host header must name
+    this server (--allowed-hosts; 400 otherwise, against DNS rebinding); no CORS headers unless
+    --allowed-origins.
+    """
+    api_key = _api_key(api_key)
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -89,13 +135,18 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
     from dsquant.runtime.server.app import create_app
 
+    from dsquant.runtime.server.guards import default_allowed_hosts
+
     sock = _bind(host, port)  # before loading, so a taken port fails fast
+    hosts = _csv(allowed_hosts) or default_allowed_hosts(sock.getsockname()[0])
     engine = LLMEngine(resolve_model_dir(artifact), EngineConfig(
         device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-        async_scheduling=async_scheduling))
+        async_scheduling=async_scheduling, verify_checksums=verify))
     try:
-        app = create_app(engine, model_name=served_model_name, api_key=api_key, max_queue=max_queue)
+        app = create_app(engine, model_name=served_model_name, api_key=api_key, max_queue=max_queue,
+                         max_request_bytes=max_request_bytes, allowed_hosts=hosts,
+                         allowed_origins=_csv(allowed_origins))
         logger = logging.getLogger("dsquant.server")
         logger.setLevel(logging.INFO)
         if not logging.getLogger().handlers:

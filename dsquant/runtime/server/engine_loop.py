@@ -8,6 +8,12 @@ connections answer while the engine is busy.
 
 Admission control lives on the HTTP side: at most max_num_seqs running plus max_queue waiting
 requests are in flight; one more is refused (429) before it reaches the engine.
+
+No exception from adding or stepping a request kills the loop: a failed add fails that request
+(RequestRejected for a DsquantError, RequestFailed otherwise), and a failed step fails the
+requests in the engine, aborts them and carries on. Only MAX_STEP_FAILURES failed steps in a row
+(the engine is broken, not one request), or an engine left inconsistent by the failure, stop the
+loop; /health then answers 503.
 """
 from __future__ import annotations
 
@@ -36,6 +42,13 @@ class EngineUnavailable(Exception):
 
 class RequestRejected(Exception):
     """The engine refused the request (e.g. more KV blocks than the cache holds): answer 400."""
+
+
+class RequestFailed(Exception):
+    """The engine failed while adding or stepping this request (a server fault): answer 500."""
+
+
+MAX_STEP_FAILURES = 3  # failed steps in a row that mean the engine itself is broken
 
 
 @dataclass
@@ -86,6 +99,7 @@ class EngineLoop:
         self._stopping = False
         self._lock = threading.Lock()  # orders submit against the thread's last drain of the inbox
         self.error: BaseException | None = None
+        self._step_failures = 0  # engine thread only: failed steps since the last good one
 
     # ------------------------------------------------------------ HTTP-loop side
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -180,11 +194,22 @@ class EngineLoop:
         except DsquantError as e:
             self._send([(tracked.queue, RequestRejected(str(e)))])
             return
+        except Exception as e:  # noqa: BLE001 - a bug for this request, not a reason to stop serving
+            log.exception("engine add_request failed for %s", request_id)
+            self.engine.abort(request_id)  # in case it was half added
+            self._send([(tracked.queue, RequestFailed(f"the engine could not add the request: "
+                                                      f"{type(e).__name__}: {e}"))])
+            return
         self._tracked[request_id] = tracked
 
     def _step(self) -> None:
         start = time.monotonic()
-        outputs: list[RequestOutput] = self.engine.step()
+        try:
+            outputs: list[RequestOutput] = self.engine.step()
+        except Exception as e:
+            self._step_failed(e)
+            return
+        self._step_failures = 0
         now = time.monotonic()
         m = self.metrics
         produced = {o.request_id for o in outputs}
@@ -210,6 +235,29 @@ class EngineLoop:
                 del self._tracked[out.request_id]
             items.append((tr.queue, out))
         self._send(items)
+
+    def _step_failed(self, error: Exception) -> None:
+        """Fail and abort every request in the engine; re-raise (stopping the loop) when the
+        engine keeps failing or is left with unfinished work."""
+        self._step_failures += 1
+        if self._step_failures >= MAX_STEP_FAILURES:
+            raise error
+        log.exception("engine step failed (%d in a row); failing its %d requests", self._step_failures,
+                      len(self._tracked))
+        failure = f"the engine step failed: {type(error).__name__}: {error}"
+        items, consistent = [], True
+        for rid, tr in list(self._tracked.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - the engine cannot even abort: stop below
+                log.exception("aborting %s after a failed step failed too", rid)
+                consistent = False
+            self.metrics.request_finished("abort")
+            items.append((tr.queue, RequestFailed(failure)))
+        self._tracked.clear()
+        self._send(items)
+        if not consistent or self.engine.has_unfinished():
+            raise error
 
     def _is_scheduled(self, request_id: str) -> bool:
         entry = self.engine.requests.get(request_id)

@@ -1,6 +1,10 @@
 """OpenAI request and response bodies (the subset dsquant serves), validated with pydantic.
 
-Requests are strict: a string where a number belongs is a 400, not a silent coercion. Fields
+Requests are strict: a string where a number belongs is a 400, not a silent coercion, and every
+sampling field is range-checked here (seed within int64, temperature in [0, 2] as in OpenAI's API,
+finite floats only: NaN, Infinity and overflowing literals are refused), so nothing the engine
+cannot take reaches it. Bodies are parsed by pydantic's JSON parser (`parse_request`), which
+bounds nesting depth and refuses lone surrogates, so a hostile body is a 400 too. Fields
 the OpenAI API defines but dsquant does not implement (chat logprobs, tools, ...) are ignored, as
 vLLM does; /v1/completions implements `echo` and `logprobs` (see logprobs.py). `ignore_eos` and `top_k` are vLLM extensions that benchmarks rely on.
 """
@@ -14,13 +18,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dsquant.runtime.engine.sequence import SamplingParams
 
 
+_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1  # torch.Generator.manual_seed's range
+MAX_TEMPERATURE = 2.0  # OpenAI's API
+MAX_TOP_K = 2 ** 31 - 1  # the sampler's int32
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -44,8 +54,22 @@ class _SamplingRequest(BaseModel):
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, v):
-        if v < 0:
-            raise ValueError(f"temperature must be >= 0, got {v}")
+        if not 0 <= v <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {v}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        if v is not None and not INT64_MIN <= v <= INT64_MAX:
+            raise ValueError(f"seed must be a 64-bit signed integer, in [{INT64_MIN}, {INT64_MAX}], got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if not -1 <= v <= MAX_TOP_K:
+            raise ValueError(f"top_k must be -1 or 0 (off) or in [1, {MAX_TOP_K}], got {v}")
         return v
 
     @field_validator("top_p")
@@ -120,13 +144,13 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
 
@@ -147,9 +171,18 @@ class ChatCompletionRequest(_SamplingRequest):
         return v
 
 
+def parse_request(body: bytes, model_cls: type[BaseModel]) -> BaseModel:
+    """Parse and validate a request body in one pass; raises ValidationError (see `describe`)."""
+    return model_cls.model_validate_json(body)
+
+
 def describe(err: ValidationError) -> tuple[str, str | None]:
     """The first validation error as (message, param) for an OpenAI error body."""
-    first = err.errors()[0]
+    first = err.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}", None
+    if first["type"] == "model_type" and not first["loc"]:
+        return "the request body must be a JSON object", None
     param = ".".join(str(x) for x in first["loc"]) or None
     msg = first["msg"].removeprefix("Value error, ")
     return (f"{param}: {msg}" if param and not msg.startswith(param) else msg), param
