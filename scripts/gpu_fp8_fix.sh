@@ -2,7 +2,8 @@
 # One H200 call for issue 17: the named pytest files on the code of 57581c7 (the dsquant files kept
 # under .old/ swapped in) and on this tree, then `dsquant demo --device cuda` and a CPU validate
 # of the same GPU-made artifacts. Logs under $OUT.
-# Usage: TESTS="tests/kernels/test_fp8_cublas.py ..." scripts/gpu_fp8_fix.sh [old] [new] [demo]
+# Usage: TESTS="tests/kernels/test_fp8_cublas.py ..." scripts/gpu_fp8_fix.sh STEP...
+#   steps: old new demo probe gemm moe engine (benches: FP8 beside its peers, fixed path)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/dsquant_triton_cache}
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -33,8 +34,14 @@ for step in "$@"; do
           echo "cpu validate rc=$?" >> "$OUT/demo-cpu-validate.txt"
           cp /tmp/demo/report/report.json "$OUT/demo-cuda-report.json" 2>/dev/null
           cp /tmp/demo-cpu/report.json "$OUT/demo-cpu-report.json" 2>/dev/null ;;
+    probe) timeout 120 python3 scripts/fp8_cublas_probe.py "$OUT/fp8-cublas-probe.json" > "$OUT/probe.txt" 2>&1 ;;
+    gemm) timeout "${GEMM_S:-150}" python3 -m dsquant bench gemm --rep-ms 20 --m 1,4,64,1024,4096 \
+            --json "$OUT/gemm.json" > "$OUT/gemm.txt" 2>&1 ;;
+    moe) timeout "${MOE_S:-120}" python3 -m dsquant bench moe --formats bf16,fp8 --json "$OUT/moe.json" > "$OUT/moe.txt" 2>&1 ;;
+    engine) timeout "${ENGINE_S:-300}" python3 -m dsquant bench engine --schemes bf16,fp8 --modes async \
+            --peer-batches "" ${ENGINE_ARGS:-} --json "$OUT/engine.json" > "$OUT/engine.txt" 2>&1 ;;
     *) echo "unknown step $step" ;;
   esac
   echo "== $step: $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
-tail -5 "$OUT"/tests-*.txt 2>/dev/null; grep -A14 "perplexity\|ppl" "$OUT/demo-cuda.txt" 2>/dev/null | tail -16; tail -14 "$OUT/demo-cpu-validate.txt" 2>/dev/null
+tail -5 "$OUT"/tests-*.txt 2>/dev/null; cat "$OUT/probe.txt" 2>/dev/null; tail -4 "$OUT/gemm.txt" "$OUT/moe.txt" 2>/dev/null; tail -12 "$OUT/engine.txt" 2>/dev/null; grep -A14 "perplexity\|ppl" "$OUT/demo-cuda.txt" 2>/dev/null | tail -16; tail -14 "$OUT/demo-cpu-validate.txt" 2>/dev/null

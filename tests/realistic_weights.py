@@ -21,27 +21,30 @@ OUTLIER_GAIN = 50.0
 
 def realistic_weight(*shape: int, seed: int, tile: tuple[int, int] = FP8_TILE, outliers: int = 3,
                      zero_rows: int = 2, zero_tiles: int = 1, device="cpu",
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     dtype: torch.dtype = torch.float32, draw_device=None) -> torch.Tensor:
     """A float weight [..., N, K] (leading dims: experts) with tile-wise scales spread over orders
     of magnitude, `outliers` input channels x 50, `zero_rows` zero rows and `zero_tiles` zero
-    tiles per matrix. Deterministic in `seed`; drawn on the CPU, then moved."""
+    tiles per matrix. Deterministic in `seed`; drawn on the CPU, then moved. `draw_device`
+    (e.g. "cuda") draws there instead: other values, as deterministic, and seconds rather than
+    a minute for a full-size stack of experts (CPU random numbers are drawn on one thread)."""
     *lead, n, k = shape
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(*lead, n, k, generator=gen) / k ** 0.5  # [..., N, K]
+    gdev = torch.device(draw_device or "cpu")
+    gen = torch.Generator(device=gdev).manual_seed(seed)
+    w = torch.randn(*lead, n, k, generator=gen, device=gdev) / k ** 0.5  # [..., N, K]
     tn, tk = min(tile[0], n), min(tile[1], k)
     nt, kt = -(-n // tn), -(-k // tk)
     lo, hi = SPREAD
-    factor = 10 ** (lo + (hi - lo) * torch.rand(*lead, nt, kt, generator=gen))  # [..., nt, kt]
+    factor = 10 ** (lo + (hi - lo) * torch.rand(*lead, nt, kt, generator=gen, device=gdev))  # [..., nt, kt]
     w *= factor.repeat_interleave(tn, -2).repeat_interleave(tk, -1)[..., :n, :k]
     flat = w.reshape(-1, n, k)
     for mat in flat:  # per expert
-        cols = torch.randperm(k, generator=gen)[: min(outliers, k)]
+        cols = torch.randperm(k, generator=gen, device=gdev)[: min(outliers, k)]
         mat[:, cols] *= OUTLIER_GAIN
-        rows = torch.randperm(n, generator=gen)[: min(zero_rows, max(n - 1, 0))]
+        rows = torch.randperm(n, generator=gen, device=gdev)[: min(zero_rows, max(n - 1, 0))]
         mat[rows] = 0
         for _ in range(zero_tiles):
-            r = int(torch.randint(nt, (1,), generator=gen)) * tn
-            c = int(torch.randint(kt, (1,), generator=gen)) * tk
+            r = int(torch.randint(nt, (1,), generator=gen, device=gdev)) * tn
+            c = int(torch.randint(kt, (1,), generator=gen, device=gdev)) * tk
             mat[r:r + tn, c:c + tk] = 0
     return w.to(device=device, dtype=dtype)
 

@@ -1,25 +1,84 @@
-"""Random expert weights in every format, and their dense float values, for the MoE tests."""
+"""Expert weights drawn like trained ones (tests/realistic_weights.py) in every format, the dense
+float64 values the quantized tensors hold, and the checks, for the MoE tests.
+
+The dense reference is rebuilt from the quantizer's own codes and scales (FP8: codes x block
+scale; INT4: (code - zero) x group scale as stored), not through the runtime's dequantizers, so a
+scale laid out wrongly by a repack cannot reach the reference too. Each projection is scaled to a
+mean row norm of 1 (one factor for the whole stack: the tile-to-tile spread, outliers and zero
+rows and tiles stay), so fp16 intermediates do not overflow at small K.
+"""
+import functools
+
 import torch
 
 from dsquant import formats
 from dsquant.runtime.kernels.fused_moe import MoeWeights, bf16_experts
 from dsquant.runtime.kernels.fused_moe_fp8 import fp8_experts
-from dsquant.runtime.kernels.fused_moe_int4 import dequantize_int4_experts, int4_experts_from_awq
-from dsquant.runtime.kernels.reference_moe import dequantize_fp8_experts
+from dsquant.runtime.kernels.fused_moe_int4 import int4_experts_from_awq
+from tests.realistic_weights import FP8_TILE, max_block_rel_err, realistic_activations, realistic_weight
 
 FORMATS = ["bf16", "int4-g32", "int4-g64", "int4-g128", "fp8"]
+INT4_TILE_ROWS = 16  # rows per random factor of an INT4 weight: group scales vary along N too
+BF16_TILE = (16, 64)
 
 
-def _awq(w: torch.Tensor, group: int, dtype):
-    """w [E, N, K] -> stacked AWQ gemm tensors (qweight [E, K, N/8], qzeros, scales)."""
-    per_expert = [formats.to_awq_tensors(*formats.quantize_int_groupwise(w[e].float(), group), dtype=dtype)
-                  for e in range(w.shape[0])]
+def group_of(fmt: str) -> int:
+    return int(fmt.split("-g")[1])
+
+
+def weight_tile(fmt: str) -> tuple[int, int]:
+    """realistic_weight's tile for a format: one factor per FP8 block, per 16 rows x one INT4
+    group, or per 16 x 64 for bf16."""
+    if fmt == "fp8":
+        return FP8_TILE
+    if fmt.startswith("int4"):
+        return INT4_TILE_ROWS, group_of(fmt)
+    return BF16_TILE
+
+
+def draw_experts(fmt: str, e: int, n: int, k: int, device, seed: int) -> torch.Tensor:
+    """float32 [E, N, K] on `device`: realistic_weight with `fmt`'s tile, mean row norm 1
+    (drawn on the GPU when `device` is one: full-size stacks take a minute on the CPU). The
+    zero tile is left out of matrices of fewer than 4 tiles (small FP8 cases), where it would
+    zero a whole gate or up half, or the whole matrix."""
+    tn, tk = weight_tile(fmt)
+    tiles = -(-n // tn) * -(-k // tk)
+    draw_on = device if torch.device(device).type == "cuda" else None
+    w = realistic_weight(e, n, k, seed=seed, tile=(tn, tk), zero_tiles=1 if tiles >= 4 else 0, device=device,
+                         draw_device=draw_on)
+    return w / w.pow(2).sum(-1).mean().sqrt()
+
+
+def int4_codes(w: torch.Tensor, group: int):
+    """w [E, N, K] -> the quantizer's (codes [E, N, K], scales fp32 [E, N, K/G], zeros [E, N, K/G])."""
+    per_expert = [formats.quantize_int_groupwise(w[e].float(), group) for e in range(w.shape[0])]
+    return tuple(torch.stack([p[i] for p in per_expert]) for i in range(3))
+
+
+def _int4(w: torch.Tensor, group: int, dtype):
+    """w [E, N, K] -> (GroupedWeight("int4"), float64 [E, N, K] from the codes and stored scales)."""
+    q, s, z = int4_codes(w, group)
+    s = s.to(dtype)  # the scales as stored (the activation dtype)
+    g = int4_experts_from_awq(*awq_stack(q, s, z, dtype), group)
+    dense = (q.double() - z.double().repeat_interleave(group, -1)) * s.double().repeat_interleave(group, -1)
+    return g, dense
+
+
+def awq_stack(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, dtype):
+    """Codes [E, N, K], scales / zeros [E, N, K/G] -> stacked AWQ gemm tensors
+    (qweight [E, K, N/8], qzeros [E, K/G, N/8], scales [E, K/G, N])."""
+    per_expert = [formats.to_awq_tensors(q[e], s[e], z[e], dtype=dtype) for e in range(q.shape[0])]
     return [torch.stack([p[i] for p in per_expert]) for i in range(3)]
 
 
 def _fp8(w: torch.Tensor):
+    """w [E, N, K] -> (GroupedWeight("fp8"), float64 [E, N, K] = codes x block scale)."""
     per_expert = [formats.quantize_fp8_block(w[e]) for e in range(w.shape[0])]
-    return fp8_experts(torch.stack([q for q, _ in per_expert]), torch.stack([s for _, s in per_expert]))
+    q = torch.stack([p[0] for p in per_expert])  # [E, N, K] e4m3
+    s = torch.stack([p[1] for p in per_expert])  # [E, ceil(N/128), ceil(K/128)]
+    n, k = q.shape[1:]
+    s64 = s.double().repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[:, :, :k]
+    return fp8_experts(q, s), q.double() * s64
 
 
 def make_projection(fmt: str, w: torch.Tensor, dtype):
@@ -28,20 +87,25 @@ def make_projection(fmt: str, w: torch.Tensor, dtype):
         g = bf16_experts(w.to(dtype))
         return g, g.weight.double()
     if fmt.startswith("int4"):
-        group = int(fmt.split("-g")[1])
-        g = int4_experts_from_awq(*_awq(w, group, dtype), group)
-        return g, dequantize_int4_experts(g).double()
-    g = _fp8(w)
-    return g, dequantize_fp8_experts(g.weight, g.scales)
+        return _int4(w, group_of(fmt), dtype)
+    return _fp8(w)
 
 
-def make_experts(fmt: str, e: int, hidden: int, inter: int, dtype, device):
-    """Random experts: (MoeWeights, dense w13 [E, 2I, H], dense w2 [E, H, I])."""
-    w13 = torch.randn(e, 2 * inter, hidden, device=device) / hidden ** 0.5
-    w2 = torch.randn(e, hidden, inter, device=device) / inter ** 0.5
-    g13, d13 = make_projection(fmt, w13, dtype)
-    g2, d2 = make_projection(fmt, w2, dtype)
+def realistic_projection(fmt: str, e: int, n: int, k: int, dtype, device, seed: int):
+    """make_projection of a realistic [E, N, K] stack drawn with `fmt`'s tile."""
+    return make_projection(fmt, draw_experts(fmt, e, n, k, device, seed), dtype)
+
+
+def make_experts(fmt: str, e: int, hidden: int, inter: int, dtype, device, seed: int = 0):
+    """Realistic experts: (MoeWeights, dense w13 [E, 2I, H], dense w2 [E, H, I]), float64."""
+    g13, d13 = realistic_projection(fmt, e, 2 * inter, hidden, dtype, device, seed)
+    g2, d2 = realistic_projection(fmt, e, hidden, inter, dtype, device, seed + 1)
     return MoeWeights(g13, g2), d13, d2
+
+
+def hidden_states(t: int, h: int, dtype, device, seed: int = 0) -> torch.Tensor:
+    """[T, H] in `dtype`: N(0, 1) with two outlier channels x 20 (realistic_activations)."""
+    return realistic_activations(t, h, seed=seed, device=device, dtype=dtype)
 
 
 def random_topk(t: int, e: int, k: int, device, experts=None):
@@ -62,23 +126,57 @@ def pair_reference(a, dense, ids, a_row_div, gated, tw=None):
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref).norm() / ref.norm())
+    return float((out.double() - ref.to(out.device)).norm() / ref.norm())
 
 
-def pair_case(fmt: str, e: int, n: int, k: int, t: int, top_k: int, gated: bool, device, dtype=torch.float16):
+def check_close(out: torch.Tensor, ref: torch.Tensor, tol: float, block_tol: float | None = None, what: str = ""):
+    """out [..., N] against the float64 ref: finite, relative error over the whole output < tol,
+    and over every block of 128 output columns < block_tol (default 2 tol), so an error in a
+    block of small weights is not hidden under the norm of the large ones."""
+    assert torch.isfinite(out).all(), f"{what}: output has NaN/Inf (some element was not written)"
+    err = rel_err(out, ref)
+    assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}"
+    block_tol = 2 * tol if block_tol is None else block_tol
+    worst = max_block_rel_err(out, ref)
+    assert worst < block_tol, f"{what}: worst 128-column block relative error {worst:.2e} >= {block_tol:.0e}"
+
+
+def poisoned(rows: int, n: int, dtype, device) -> torch.Tensor:
+    return torch.full((rows, n), float("nan"), dtype=dtype, device=device)
+
+
+def pair_case(fmt: str, e: int, n: int, k: int, t: int, top_k: int, gated: bool, device,
+              dtype=torch.float16, seed: int = 0):
     """A per-pair GEMV case: (weight, dense [E, N or 2N, K], topk_weights, topk_ids, a_row_div, a).
     Gated: w13-style rows (gate then up, 2N) and one activation row per token; else one per pair."""
-    g, dense = make_projection(fmt, torch.randn(e, 2 * n if gated else n, k, device=device) / k ** 0.5, dtype)
+    g, dense = realistic_projection(fmt, e, 2 * n if gated else n, k, dtype, device, seed)
     tw, ids = random_topk(t, e, top_k, device)
     div = top_k if gated else 1
-    return g, dense, tw, ids, div, torch.randn(t * top_k // div, k, dtype=dtype, device=device)
+    return g, dense, tw, ids, div, hidden_states(t * top_k // div, k, dtype, device, seed + 7)
+
+
+V2_LITE = dict(e=66, hidden=2048, inter=1408)  # 64 routed + 2 shared experts, as experts
+V3_REDUCED = dict(e=16, hidden=7168, inter=2048)  # 16 of V3's 256 routed experts
+
+
+@functools.lru_cache(maxsize=2)
+def v2_lite_experts(fmt: str):
+    """V2-Lite experts in `fmt`, bf16, on CUDA: (MoeWeights, d13, d2); cached (drawing and
+    quantizing take seconds, and the float64 copies 4.6 GB: keep a test's formats together)."""
+    return make_experts(fmt, V2_LITE["e"], V2_LITE["hidden"], V2_LITE["inter"], torch.bfloat16, "cuda", seed=66)
+
+
+@functools.lru_cache(maxsize=1)
+def v3_experts(fmt: str):
+    """16 DeepSeek-V3-shaped experts in `fmt`, bf16, on CUDA (cached; float64 copies 5.6 GB)."""
+    return make_experts(fmt, V3_REDUCED["e"], V3_REDUCED["hidden"], V3_REDUCED["inter"], torch.bfloat16, "cuda",
+                        seed=3)
 
 
 def v2_lite_decode_case(fmt: str):
     """V2-Lite experts (64 routed + 2 shared, H 2048, I 1408) in bf16 on CUDA, one token's 8 pairs:
     (MoeWeights, d13, d2, topk_weights, topk_ids, hidden [1, H], down-projection input [8, I])."""
-    weights, d13, d2 = make_experts(fmt, 66, 2048, 1408, torch.bfloat16, "cuda")
+    weights, d13, d2 = v2_lite_experts(fmt)
     tw, ids = random_topk(1, 66, 8, "cuda")
-    hidden = torch.randn(1, 2048, dtype=torch.bfloat16, device="cuda")
-    return weights, d13, d2, tw, ids, hidden, torch.randn(8, 1408, dtype=torch.bfloat16, device="cuda")
-
+    return (weights, d13, d2, tw, ids, hidden_states(1, 2048, torch.bfloat16, "cuda", seed=1),
+            hidden_states(8, 1408, torch.bfloat16, "cuda", seed=2))

@@ -1,26 +1,48 @@
-"""Fused MoE (align + grouped GEMMs + sum) against a float64 loop over experts, every format."""
-import functools
+"""Fused MoE (align + grouped GEMMs + sum) against a float64 loop over experts, every format.
 
+Weights come from tests/realistic_weights.py through moe_cases (block / group scales over three
+orders of magnitude, outlier input channels, zero rows and tiles); the reference is the dense
+float64 weight the quantized tensors hold, and every check also bounds the worst block of 128
+output channels. CPU: fp16 under TRITON_INTERPRET=1 with bf16 and fp8 at H = 200 (partial 128
+blocks along N and K); INT4 needs H and I multiples of 128. GPU: V2-Lite and V3 expert shapes, bf16.
+"""
 import pytest
 import torch
 
+from dsquant import formats
 from dsquant.runtime.kernels.fused_moe import (fused_moe, pick_configs, split_shared_experts,
                                                with_shared_experts, MoeWeights, bf16_experts)
 from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8, quantize_act_fp8_torch
 from dsquant.runtime.kernels.moe_align import moe_align_block_size
 from dsquant.runtime.kernels.moe_gemm import GemmConfig, moe_gemm
 from dsquant.models.routing import RoutingConfig, route
+from dsquant.runtime.kernels.fused_moe_int4 import dequantize_int4_experts, int4_experts_from_awq
 from dsquant.runtime.kernels.reference_moe import moe_experts_reference
-from tests.kernels.moe_cases import FORMATS, make_experts, random_topk, rel_err
+from tests.kernels.moe_cases import (FORMATS, V2_LITE, V3_REDUCED, awq_stack, check_close, draw_experts,
+                                     hidden_states, int4_codes, make_experts, make_projection, pair_reference,
+                                     poisoned, random_topk, realistic_projection, v2_lite_experts, v3_experts)
+from tests.realistic_weights import realistic_weight
 
-E, H, I = 8, 128, 128  # small CPU shapes; fp8 needs I % 128 == 0, int4 g128 needs H % 128 == 0
+E, H, I = 8, 128, 128  # the INT4 CPU shape: int4 needs H and I multiples of 128
+PARTIAL_H = 200  # bf16 / fp8 CPU hidden size: 1 full + 1 partial 128 block (fp8 needs I % 128 == 0)
+BF16_I = 96  # bf16 CPU intermediate: no block divides 96 or 200
+
+
+def _shape(fmt):
+    """(H, I) of the CPU cases for `fmt`: partial blocks wherever the format allows them."""
+    if fmt == "bf16":
+        return PARTIAL_H, BF16_I
+    return (PARTIAL_H, I) if fmt == "fp8" else (H, I)
 
 
 def _tol(fmt, dtype):
     # fp8: the SiLU-and-mul output is re-quantized to fp8, so a 1-ulp bf16 difference in gate/up
     # (accumulation order) can move an intermediate fp8 code by 1/16. On the H200 at T = 1 the
     # error against the float64 reference ranged 0.002-0.021 over 7 draws; a reference without
-    # activation quantization is 0.043 away, so 3e-2 still tells the two apart.
+    # activation quantization is 0.043 away, so 3e-2 still tells the two apart. With the
+    # realistic weights (H200, bf16, V2-Lite / V3 shapes): 0.011-0.017 whole, worst 128-channel
+    # block 0.016-0.035 (T = 1: one token's block), hence 3 x tol for the blocks; a wrong scale
+    # layout is O(1) off. bf16 / int4 there: at most 0.0053 whole, 0.0062 per block.
     if fmt == "fp8":
         return 3e-2
     return 2e-2 if dtype == torch.bfloat16 else 4e-3
@@ -28,43 +50,50 @@ def _tol(fmt, dtype):
 
 def _check(fmt, weights, d13, d2, hidden, tw, ids, configs=None, shared=None):
     out = fused_moe(hidden, weights, tw, ids, shared_output=shared, configs=configs)
-    assert out.shape == hidden.shape and torch.isfinite(out).all()
+    assert out.shape == hidden.shape
     ref = moe_experts_reference(hidden, d13, d2, tw, ids, fp8_acts=fmt == "fp8")
     if shared is not None:
         ref = ref + shared.double()
-    err = rel_err(out, ref)
-    assert err < _tol(fmt, hidden.dtype), f"{fmt}: relative error {err:.2e}"
+    tol = _tol(fmt, hidden.dtype)
+    check_close(out, ref, tol, block_tol=(3 if fmt == "fp8" else 2) * tol, what=fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("t,k", [(1, 2), (7, 3), (33, 2)])
 def test_fused_moe_matches_reference(fmt, t, k, device):
-    weights, d13, d2 = make_experts(fmt, E, H, I, torch.float16, device)
-    hidden = torch.randn(t, H, dtype=torch.float16, device=device)
+    """fused_moe equals the float64 expert loop on the dense weights, whole output and per
+    128-channel block, for every format (int4 T = 1 on the GEMV path, the rest grouped)."""
+    h, inter = _shape(fmt)
+    weights, d13, d2 = make_experts(fmt, E, h, inter, torch.float16, device, seed=t)
+    hidden = hidden_states(t, h, torch.float16, device, seed=t)
     _check(fmt, weights, d13, d2, hidden, *random_topk(t, E, k, device))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4-g64", "fp8"])
 def test_experts_without_tokens(fmt, device):
     """16 experts, only 3 of them receive pairs: the other blocks must not be computed or written."""
-    weights, d13, d2 = make_experts(fmt, 16, H, I, torch.float16, device)
-    hidden = torch.randn(9, H, dtype=torch.float16, device=device)
+    h, inter = _shape(fmt)
+    weights, d13, d2 = make_experts(fmt, 16, h, inter, torch.float16, device, seed=16)
+    hidden = hidden_states(9, h, torch.float16, device)
     _check(fmt, weights, d13, d2, hidden, *random_topk(9, 16, 2, device, experts=[3, 7, 15]))
 
 
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])
 def test_every_routing_method_end_to_end(method, device):
-    weights, d13, d2 = make_experts("int4-g32", 16, H, I, torch.float16, device)
-    hidden = torch.randn(11, H, dtype=torch.float16, device=device)
+    """route() then fused_moe (int4-g32) equals the float64 loop for each routing method."""
+    weights, d13, d2 = make_experts("int4-g32", 16, H, I, torch.float16, device, seed=3)
+    hidden = hidden_states(11, H, torch.float16, device)
     scoring = "sigmoid" if method == "noaux_tc" else "softmax"
     cfg = RoutingConfig(16, 4, scoring, method, 4, 2, method == "noaux_tc", 2.5)
-    tw, ids = route(hidden, torch.randn(16, H, device=device), cfg, torch.randn(16, device=device))
+    gate = realistic_weight(16, H, seed=5, tile=(4, 64), device=device)  # router [E, H]
+    tw, ids = route(hidden, gate, cfg, torch.randn(16, device=device))
     _check("int4-g32", weights, d13, d2, hidden, tw, ids)
 
 
 def test_one_token_routed_to_every_group(device):
-    weights, d13, d2 = make_experts("bf16", 16, H, I, torch.float16, device)
-    hidden = torch.randn(1, H, dtype=torch.float16, device=device)
+    """One token whose 4 experts lie in 4 different expert groups (blocks of 4 ids)."""
+    weights, d13, d2 = make_experts("bf16", 16, H, I, torch.float16, device, seed=4)
+    hidden = hidden_states(1, H, torch.float16, device)
     ids = torch.tensor([[1, 6, 11, 12]], device=device)  # one expert in each group of 4
     _check("bf16", weights, d13, d2, hidden, torch.rand(1, 4, device=device), ids)
 
@@ -73,17 +102,17 @@ def test_one_token_routed_to_every_group(device):
                                  GemmConfig(64, 16, 128, 4, 2)])
 def test_ragged_dims_and_block_sizes(cfg, device):
     """bf16 with H and I that no block divides: partial n and k tiles at every edge."""
-    weights, d13, d2 = make_experts("bf16", 6, 96, 40, torch.float16, device)
-    hidden = torch.randn(13, 96, dtype=torch.float16, device=device)
+    weights, d13, d2 = make_experts("bf16", 6, 96, 40, torch.float16, device, seed=6)
+    hidden = hidden_states(13, 96, torch.float16, device)
     _check("bf16", weights, d13, d2, hidden, *random_topk(13, 6, 2, device), configs=(cfg, cfg))
 
 
 def test_shared_experts_both_ways(device):
     """2 shared experts as a passed-in output and as extra always-selected experts agree."""
-    weights, d13, d2 = make_experts("bf16", E, H, I, torch.float16, device)
-    gate_up = (torch.randn(2 * 2 * I, H, device=device) / H ** 0.5).half()  # shared MLP, inter 2I
-    down = (torch.randn(H, 2 * I, device=device) / (2 * I) ** 0.5).half()
-    hidden = torch.randn(5, H, dtype=torch.float16, device=device)
+    weights, d13, d2 = make_experts("bf16", E, H, I, torch.float16, device, seed=8)
+    gate_up = draw_experts("bf16", 1, 2 * 2 * I, H, device, seed=9)[0].half()  # shared MLP [4I, H], inter 2I
+    down = draw_experts("bf16", 1, H, 2 * I, device, seed=10)[0].half()  # [H, 2I]
+    hidden = hidden_states(5, H, torch.float16, device)
     g, u = (hidden.double() @ gate_up.double().t()).chunk(2, -1)
     shared = ((torch.nn.functional.silu(g) * u) @ down.double().t())  # float64 [T, H]
     tw, ids = random_topk(5, E, 2, device)
@@ -92,8 +121,7 @@ def test_shared_experts_both_ways(device):
     both = MoeWeights(bf16_experts(torch.cat([weights.w13.weight, s13])),
                       bf16_experts(torch.cat([weights.w2.weight, s2])))
     out = fused_moe(hidden, both, *with_shared_experts(tw, ids, E, 2), n_shared=2)
-    err = rel_err(out, moe_experts_reference(hidden, d13, d2, tw, ids) + shared)
-    assert torch.isfinite(out).all() and err < 4e-3, f"relative error {err:.2e}"
+    check_close(out, moe_experts_reference(hidden, d13, d2, tw, ids) + shared, 4e-3, what="folded shared")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4-g128", "fp8"])
@@ -101,41 +129,70 @@ def test_shared_experts_both_ways(device):
 def test_residual_and_shared_output_added_in_the_sum(fmt, t, device):
     """fused_moe(..., shared_output, residual) = residual + (experts + shared_output), the adds
     done by the sum launch (T = 1 takes the INT4 GEMV path, T = 9 the grouped GEMMs)."""
-    weights, d13, d2 = make_experts(fmt, E, H, I, torch.float16, device)
-    hidden = torch.randn(t, H, dtype=torch.float16, device=device)
-    shared, residual = torch.randn(2, t, H, dtype=torch.float16, device=device)
+    h, inter = _shape(fmt)
+    weights, d13, d2 = make_experts(fmt, E, h, inter, torch.float16, device, seed=11)
+    hidden = hidden_states(t, h, torch.float16, device)
+    shared, residual = torch.randn(2, t, h, dtype=torch.float16, device=device)
     tw, ids = random_topk(t, E, 2, device)
     plain = fused_moe(hidden, weights, tw, ids)
     out = fused_moe(hidden, weights, tw, ids, shared_output=shared, residual=residual)
     torch.testing.assert_close(out, residual + (plain + shared))
-    err = rel_err(out - residual, moe_experts_reference(hidden, d13, d2, tw, ids, fp8_acts=fmt == "fp8")
-                  + shared.double())
-    assert err < _tol(fmt, hidden.dtype), f"{fmt}: relative error {err:.2e}"
+    check_close(out - residual, moe_experts_reference(hidden, d13, d2, tw, ids, fp8_acts=fmt == "fp8")
+                + shared.double(), _tol(fmt, hidden.dtype), what=fmt)
+
+
+def _gemm_into_poisoned(a, w, align, cfg, n_out, a_row_div, gated, tw=None, a_s=None):
+    """One moe_gemm into a NaN-poisoned fp16 [P + 1, n_out] buffer; the extra row must stay NaN.
+    Returns the P pair rows."""
+    out = poisoned(align.num_pairs + 1, n_out, torch.float16, a.device)
+    moe_gemm(a, w, align, out, cfg, a_row_div=a_row_div, gated=gated, topk_weights=tw, a_scale=a_s,
+             fp8_upcast=a.device.type == "cpu")
+    assert torch.isnan(out[-1]).all(), "a row past the last pair was written"
+    return out[:-1]
+
+
+def _fp8_input(x, fmt):
+    """(kernel input, its scale, the float64 values the kernel multiplies) for `fmt`; fp8: the
+    codes x scales of quantize_act_fp8 (the Triton quantizer on the GPU, torch's on the CPU)."""
+    if fmt != "fp8":
+        return x, None, x.double()
+    q, s = quantize_act_fp8(x)  # [rows, K] e4m3, [rows, ceil(K/128)]
+    return q, s, q.double() * s.double().repeat_interleave(128, 1)[:, : x.shape[1]]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_grouped_gemm_writes_every_pair_row(fmt, device):
-    """Poisoned outputs: both GEMMs must write every (token, expert) row and no other."""
-    weights, _, _ = make_experts(fmt, E, H, I, torch.float16, device)
+    """Poisoned outputs: both GEMMs write every (token, expert) row and no other, and each row
+    equals the float64 pair product of the inputs the kernel consumed (gate/up then SiLU-and-mul;
+    down times the routing weight), per 128-channel block; bf16 / fp8 at H = 200."""
+    h, inter = _shape(fmt)
+    weights, d13, d2 = make_experts(fmt, E, h, inter, torch.float16, device, seed=12)
     t, k = 6, 3
     tw, ids = random_topk(t, E, k, device)
     cfg, _ = pick_configs(t * k, E, fmt.split("-g")[0], weights.w13.group_size)
     align = moe_align_block_size(ids, E, cfg.block_m)
-    hidden = torch.randn(t, H, dtype=torch.float16, device=device)
-    a, a_s = hidden, None
-    if fmt == "fp8":
-        a, a_s = quantize_act_fp8(hidden)
-    act = torch.full((t * k + 1, I), float("nan"), dtype=torch.float16, device=device)
-    moe_gemm(a, weights.w13, align, act, cfg, a_row_div=k, gated=True, a_scale=a_s,
-             fp8_upcast=device == "cpu")
-    assert torch.isfinite(act[:-1]).all() and torch.isnan(act[-1]).all()
-    act = act[:-1]
-    if fmt == "fp8":
-        act, a_s = quantize_act_fp8(act)
-    out = torch.full((t * k + 1, H), float("nan"), dtype=torch.float16, device=device)
-    moe_gemm(act, weights.w2, align, out, cfg, a_row_div=1, gated=False, topk_weights=tw,
-             a_scale=a_s, fp8_upcast=device == "cpu")
-    assert torch.isfinite(out[:-1]).all() and torch.isnan(out[-1]).all()
+    a, a_s, a_ref = _fp8_input(hidden_states(t, h, torch.float16, device), fmt)  # [T, H]
+    act = _gemm_into_poisoned(a, weights.w13, align, cfg, inter, k, gated=True, a_s=a_s)  # [P, I]
+    check_close(act, pair_reference(a_ref, d13, ids, k, gated=True), 4e-3, what="gate/up")
+    a, a_s, a_ref = _fp8_input(act, fmt)
+    out = _gemm_into_poisoned(a, weights.w2, align, cfg, h, 1, gated=False, tw=tw, a_s=a_s)  # [P, H]
+    check_close(out, pair_reference(a_ref, d2, ids, 1, gated=False, tw=tw), 4e-3, what="down")
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_grouped_gemm_int4_partial_n(gated, device):
+    """INT4 grouped GEMM with N = 208 (13 chunks of 16, no multiple of 64 or 128: partial
+    BLOCK_N and 128-channel blocks; gated: the up rows start mid-tile at row 104), K = 256."""
+    t, k, e = 5, 2, 4
+    n_rows, n_out = 208, 104 if gated else 208
+    g, dense = realistic_projection("int4-g64", e, n_rows, 256, torch.float16, device, seed=13)
+    tw, ids = random_topk(t, e, k, device)
+    cfg = GemmConfig(16, 64, 128, 4, 2)
+    align = moe_align_block_size(ids, e, cfg.block_m)
+    a = hidden_states(t if gated else t * k, 256, torch.float16, device, seed=14)
+    out = _gemm_into_poisoned(a, g, align, cfg, n_out, k if gated else 1, gated, None if gated else tw)
+    ref = pair_reference(a, dense, ids, k if gated else 1, gated, tw)  # [P, n_out]
+    check_close(out, ref, 4e-3, what="int4 partial N")
 
 
 def test_fused_moe_names_mismatched_hidden(device):
@@ -148,40 +205,40 @@ def test_fused_moe_names_mismatched_hidden(device):
 GPU_FORMATS = ["bf16", "int4-g128", "int4-g64", "fp8"]
 
 
-@functools.lru_cache(maxsize=4)
-def _v2_lite_experts(fmt, device):
-    return make_experts(fmt, 66, 2048, 1408, torch.bfloat16, device)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", GPU_FORMATS)
 @pytest.mark.parametrize("t", [1, 8, 517, 4096])
+@pytest.mark.parametrize("fmt", GPU_FORMATS)  # the slowest-varying parameter: one cached format at a time
 def test_fused_moe_v2_lite_bf16_full_size(fmt, t, device):
-    """DeepSeek-V2-Lite layer: 64 experts + 2 shared run as experts, top-6, H 2048, I 1408, bf16."""
-    weights, d13, d2 = _v2_lite_experts(fmt, device)
-    hidden = torch.randn(t, 2048, dtype=torch.bfloat16, device=device)
+    """DeepSeek-V2-Lite layer: 64 experts + 2 shared run as experts, top-6, H 2048, I 1408, bf16:
+    fused_moe equals the float64 loop, whole output and per 128-channel block (T = 1 and 8: the
+    INT4 GEMV path; 517, 4096: the grouped GEMMs)."""
+    weights, d13, d2 = v2_lite_experts(fmt)
+    hidden = hidden_states(t, V2_LITE["hidden"], torch.bfloat16, device, seed=t)
     tw, ids = with_shared_experts(*random_topk(t, 64, 6, device), 64, 2)
     _check(fmt, weights, d13, d2, hidden, tw, ids)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 77])
-def test_fused_moe_v3_shape_fp8(t, device):
-    """DeepSeek-V3 expert shapes (H 7168, I 2048; 32 of its 256 experts, in 8 groups), top-8,
-    FP8, noaux_tc routing."""
-    weights, d13, d2 = make_experts("fp8", 32, 7168, 2048, torch.bfloat16, device)
-    hidden = torch.randn(t, 7168, dtype=torch.bfloat16, device=device)
-    cfg = RoutingConfig(32, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5)
-    tw, ids = route(hidden, torch.randn(32, 7168, device=device) / 80, cfg,
-                    torch.randn(32, device=device) * 0.1)
-    _check("fp8", weights, d13, d2, hidden, tw, ids)
+@pytest.mark.parametrize("fmt", ["fp8", "int4-g128"])
+def test_fused_moe_v3_shape_bf16(fmt, t, device):
+    """DeepSeek-V3 expert shapes (H 7168, I 2048) with 16 of its 256 experts in 4 groups, top-8 of
+    the 3 best groups, noaux_tc routing, bf16: fused_moe equals the float64 loop (T = 1 INT4:
+    the GEMV path)."""
+    e, h = V3_REDUCED["e"], V3_REDUCED["hidden"]
+    weights, d13, d2 = v3_experts(fmt)
+    hidden = hidden_states(t, h, torch.bfloat16, device, seed=t)
+    cfg = RoutingConfig(e, 8, "sigmoid", "noaux_tc", 4, 3, True, 2.5)
+    gate = realistic_weight(e, h, seed=7, tile=(4, 128), device=device)  # router [E, H]
+    tw, ids = route(hidden, gate, cfg, torch.randn(e, device=device) * 0.1)
+    _check(fmt, weights, d13, d2, hidden, tw, ids)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 2048), (4096, 1408), (77, 7168)])
 def test_act_quant_kernel_matches_torch(shape, device):
     """The in-kernel fp8 cast (GPU only) against torch's: same scales, codes within one step."""
-    x = torch.randn(*shape, dtype=torch.bfloat16, device=device) * 3
+    x = hidden_states(*shape, torch.bfloat16, device) * 3
     q, s = quantize_act_fp8(x)
     q_ref, s_ref = quantize_act_fp8_torch(x)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
@@ -191,15 +248,14 @@ def test_act_quant_kernel_matches_torch(shape, device):
 
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_repack_keeps_every_weight(group, device):
-    """The tiled INT4 layout dequantises to exactly what the AWQ tensors hold, expert by expert."""
-    from dsquant import formats
-    from dsquant.runtime.kernels.fused_moe_int4 import dequantize_int4_experts, int4_experts_from_awq
-    from tests.kernels.moe_cases import _awq
-
-    w = torch.randn(3, 48, 256, device=device)
-    qweight, qzeros, scales = _awq(w, group, torch.float16)
+    """The tiled INT4 layout dequantises to exactly what the AWQ tensors hold, expert by expert
+    (realistic weights: group scales differ along N and K, so a transposed scale shows)."""
+    w = draw_experts(f"int4-g{group}", 3, 48, 256, device, seed=group)
+    qweight, qzeros, scales = awq_stack(*int4_codes(w, group), torch.float16)
     packed = int4_experts_from_awq(qweight, qzeros, scales, group)
     expected = torch.stack([formats.dequantize_awq(qweight[e], qzeros[e], scales[e], group) for e in range(3)])
     assert torch.equal(dequantize_int4_experts(packed), expected)
+    _, dense = make_projection(f"int4-g{group}", w, torch.float16)
+    assert torch.equal(expected.double(), dense)  # the codec and moe_cases' reference agree
     with pytest.raises(ValueError, match="in_features % 128"):
-        int4_experts_from_awq(*_awq(w[:, :, :192], 64, torch.float16), 64)
+        int4_experts_from_awq(*awq_stack(*int4_codes(w[:, :, :192], 64), torch.float16), 64)

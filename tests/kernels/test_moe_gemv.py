@@ -4,6 +4,9 @@ Split-K (split_k > 1): every split factor, including ones that do not divide the
 the float64 result for the gated and the routed epilogue; outputs poisoned with NaN are fully
 written; the per-tile counters are zero after every launch, so a second launch (or a CUDA-graph
 replay) reduces again and gives the same bits.
+Weights are drawn by tests/realistic_weights.py (moe_cases: group scales over three orders of
+magnitude along N and K, outlier input channels, zero rows and a zero tile), the reference is the
+dense float64 weight the codes hold, and every check also bounds the worst 128-channel block.
 """
 import pytest
 import torch
@@ -12,41 +15,41 @@ from dsquant.runtime.kernels.fused_moe import fused_moe, pick_configs
 from dsquant.runtime.kernels.moe_gemv import (MOE_GEMV_MAX_PAIRS, default_split_k, effective_split,
                                               moe_gemv_int4)
 from dsquant.runtime.kernels.reference_moe import moe_experts_reference
-from tests.kernels.moe_cases import (make_experts, make_projection, pair_case, pair_reference, random_topk,
-                                     rel_err, v2_lite_decode_case)
+from tests.kernels.moe_cases import (V3_REDUCED, check_close, draw_experts, hidden_states, make_experts, pair_case,
+                                     pair_reference, poisoned, random_topk, realistic_projection,
+                                     v2_lite_decode_case, v2_lite_experts, v3_experts)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("block_n,warps", [(16, 2), (256, 4)])
 def test_moe_gemv_projection_matches_dense(group, block_n, warps, device):
-    """Routed (down-style) GEMV: out[p] = w_p * a[p] @ W_e^T; N = 384 leaves a partial 256 block."""
-    e, n, k, t, top_k = 5, 384, 256, 3, 2
-    g, dense = make_projection(f"int4-g{group}", torch.randn(e, n, k, device=device) / k ** 0.5, torch.float16)
+    """Routed (down-style) GEMV: out[p] = w_p * a[p] @ W_e^T into a poisoned buffer; N = 208
+    (13 x 16) leaves partial 128 and 256 blocks, K = 256 is 2 tiles of 128."""
+    e, n, k, t, top_k = 5, 208, 256, 3, 2
+    g, dense = realistic_projection(f"int4-g{group}", e, n, k, torch.float16, device, seed=group)
     tw, ids = random_topk(t, e, top_k, device)
-    a = torch.randn(t * top_k, k, dtype=torch.float16, device=device)
-    out = torch.full((t * top_k, n), float("nan"), dtype=torch.float16, device=device)
+    a = hidden_states(t * top_k, k, torch.float16, device, seed=block_n)  # [P, K]
+    out = poisoned(t * top_k, n, torch.float16, device)
     moe_gemv_int4(a, g, ids, out, a_row_div=1, gated=False, topk_weights=tw, block_n=block_n,
                   num_warps=warps)
-    ref = torch.stack([tw.reshape(-1)[p].double() * (a[p].double() @ dense[ids.reshape(-1)[p]].t())
-                       for p in range(t * top_k)])
-    assert torch.isfinite(out).all()
-    assert rel_err(out, ref.to(out.device)) < 4e-3
+    check_close(out, pair_reference(a, dense, ids, 1, False, tw), 4e-3)
 
 
 @pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128"])
 @pytest.mark.parametrize("t,k", [(1, 6), (4, 4), (2, 3)])
 def test_fused_moe_gemv_path_matches_reference_and_grouped(fmt, t, k, device):
+    """fused_moe at decode sizes (<= 16 pairs: the per-pair GEMVs) equals the float64 expert loop
+    and the grouped-GEMM path."""
     assert t * k <= MOE_GEMV_MAX_PAIRS  # these take the GEMV path
-    weights, d13, d2 = make_experts(fmt, 8, 256, 128, torch.float16, device)
-    hidden = torch.randn(t, 256, dtype=torch.float16, device=device)
+    weights, d13, d2 = make_experts(fmt, 8, 256, 128, torch.float16, device, seed=t * 10 + k)
+    hidden = hidden_states(t, 256, torch.float16, device, seed=k)
     tw, ids = random_topk(t, 8, k, device)
     shared = torch.randn(t, 256, dtype=torch.float16, device=device)
     out = fused_moe(hidden, weights, tw, ids, shared_output=shared)
-    ref = moe_experts_reference(hidden, d13, d2, tw, ids) + shared.double()
-    assert torch.isfinite(out).all() and rel_err(out, ref) < 4e-3
+    check_close(out, moe_experts_reference(hidden, d13, d2, tw, ids) + shared.double(), 4e-3, what="gemv")
     grouped = fused_moe(hidden, weights, tw, ids, shared_output=shared,
                         configs=pick_configs(t * k, 8, "int4", weights.w13.group_size, 128, 256))
-    assert rel_err(out, grouped.double()) < 4e-3
+    check_close(out, grouped.double(), 4e-3, what="gemv vs grouped")
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -55,12 +58,11 @@ def test_moe_gemv_split_k_matches_dense(gated, split_k, device):
     """K = 640 is 5 tiles: split 2 runs 3 + 2, split 3 runs 2 + 2 + 1; N = 48 (gated: 2 x 48 rows)
     is 3 blocks of 16; 2 tokens x top-3 = 6 pairs."""
     t, top_k, n = 2, 3, 48
-    g, dense, tw, ids, div, a = pair_case("int4-g64", 5, n, 640, t, top_k, gated, device)
-    out = torch.full((t * top_k, n), float("nan"), dtype=torch.float16, device=device)
+    g, dense, tw, ids, div, a = pair_case("int4-g64", 5, n, 640, t, top_k, gated, device, seed=split_k)
+    out = poisoned(t * top_k, n, torch.float16, device)
     moe_gemv_int4(a, g, ids, out, a_row_div=div, gated=gated, topk_weights=None if gated else tw,
                   block_n=16, split_k=split_k)
-    assert torch.isfinite(out).all(), "some output element was not written"
-    assert rel_err(out, pair_reference(a, dense, ids, div, gated, tw)) < 4e-3
+    check_close(out, pair_reference(a, dense, ids, div, gated, tw), 4e-3)
     assert int(g.splitk_counters.abs().sum()) == 0, "split-K counters must be left zero"
 
 
@@ -70,16 +72,16 @@ def test_moe_gemv_split_k_repeated_launch(gated, device):
     same inputs: the second launch finds the counters reset, writes every element and gives the
     same bits (the partials are summed in split order, whichever program arrives last)."""
     t, top_k, n = 1, 4, 32
-    g, dense, tw, ids, div, a = pair_case("int4-g128", 4, n, 640, t, top_k, gated, device)
+    g, dense, tw, ids, div, a = pair_case("int4-g128", 4, n, 640, t, top_k, gated, device, seed=4)
     outs = []
     for _ in range(2):
-        out = torch.full((t * top_k, n), float("nan"), dtype=torch.float16, device=device)
+        out = poisoned(t * top_k, n, torch.float16, device)
         moe_gemv_int4(a, g, ids, out, a_row_div=div, gated=gated, topk_weights=None if gated else tw,
                       block_n=16, split_k=4)
         assert torch.isfinite(out).all() and int(g.splitk_counters.abs().sum()) == 0
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
-    assert rel_err(outs[1], pair_reference(a, dense, ids, div, gated, tw)) < 4e-3
+    check_close(outs[1], pair_reference(a, dense, ids, div, gated, tw), 4e-3)
 
 
 def test_split_k_rule():
@@ -94,7 +96,7 @@ def test_split_k_rule():
 
 
 def test_moe_gemv_rejects_bad_shapes(device):
-    g, _ = make_projection("int4-g128", torch.randn(2, 128, 128, device=device), torch.float16)
+    g, _ = realistic_projection("int4-g128", 2, 128, 128, torch.float16, device, seed=0)
     ids = torch.zeros(1, 2, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match="out"):
         moe_gemv_int4(torch.randn(2, 128, dtype=torch.float16, device=device), g, ids,
@@ -107,32 +109,51 @@ def test_moe_gemv_rejects_bad_shapes(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,k", [(1, 6), (2, 8)])
 def test_moe_gemv_v2_lite_layer_bf16(t, k):
-    """V2-Lite expert shapes (64 experts, H 2048, I 1408) in bf16: GEMV path vs float64 loop."""
-    weights, d13, d2 = make_experts("int4-g128", 64, 2048, 1408, torch.bfloat16, "cuda")
-    hidden = torch.randn(t, 2048, dtype=torch.bfloat16, device="cuda")
+    """V2-Lite experts (64 routed of the 66, H 2048, I 1408) in bf16: the GEMV path equals the
+    float64 loop, whole output and per 128-channel block."""
+    weights, d13, d2 = v2_lite_experts("int4-g128")
+    hidden = hidden_states(t, 2048, torch.bfloat16, "cuda", seed=t)
     tw, ids = random_topk(t, 64, k, "cuda")
     out = fused_moe(hidden, weights, tw, ids)
-    assert torch.isfinite(out).all()
-    assert rel_err(out, moe_experts_reference(hidden, d13, d2, tw, ids)) < 2e-2
+    check_close(out, moe_experts_reference(hidden, d13, d2, tw, ids), 2e-2)
+
+
+def _split_k_projections(weights, d13, d2, tw, ids, hidden, act_in, splits):
+    """Each projection (gate/up on hidden [T, H], down on act_in [P, I]) with every split_k
+    against the float64 pair reference and against split_k 1, launched twice into poisoned
+    outputs (the counters must be reset between launches)."""
+    pairs = ids.numel()
+    for w, dense, a, div, gated in ((weights.w13, d13, hidden, ids.shape[1], True),
+                                    (weights.w2, d2, act_in, 1, False)):
+        n = w.n // 2 if gated else w.n
+        kw = dict(a_row_div=div, gated=gated, topk_weights=None if gated else tw, block_n=16, num_warps=2)
+        ref = pair_reference(a, dense, ids, div, gated, tw)  # [P, n]
+        one = moe_gemv_int4(a, w, ids, poisoned(pairs, n, torch.bfloat16, "cuda"), split_k=1, **kw)
+        check_close(one, ref, 1e-2, what="split_k 1")
+        for split_k in splits:
+            for _ in range(2):
+                out = moe_gemv_int4(a, w, ids, poisoned(pairs, n, torch.bfloat16, "cuda"), split_k=split_k, **kw)
+                assert int(w.splitk_counters.abs().sum()) == 0
+                check_close(out, ref, 1e-2, what=f"split_k {split_k}")
+                check_close(out, one.double(), 1e-2, what=f"split_k {split_k} vs 1")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_k", [2, 4, 8])
-def test_moe_gemv_split_k_v2_lite_bf16(split_k):
+def test_moe_gemv_split_k_v2_lite_bf16():
     """V2-Lite shapes in bf16 (gate/up: N 2 x 1408, K 2048 = 16 tiles; down: N 2048, K 1408 = 11
-    tiles), 8 pairs (T = 1, top-6 + 2 shared): each projection with split-K against the float64
-    reference and against split_k 1, twice (counters reset between launches)."""
-    weights, d13, d2, tw, ids, hidden, act_in = v2_lite_decode_case("int4-g128")
-    for w, dense, a, div, gated, n in ((weights.w13, d13, hidden, 8, True, 1408),
-                                       (weights.w2, d2, act_in, 1, False, 2048)):
-        kw = dict(a_row_div=div, gated=gated, topk_weights=None if gated else tw, block_n=16, num_warps=2)
-        one = moe_gemv_int4(a, w, ids, torch.empty(8, n, dtype=torch.bfloat16, device="cuda"), split_k=1, **kw)
-        for _ in range(2):
-            out = torch.full((8, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            moe_gemv_int4(a, w, ids, out, split_k=split_k, **kw)
-            assert torch.isfinite(out).all() and int(w.splitk_counters.abs().sum()) == 0
-            assert rel_err(out, pair_reference(a, dense, ids, div, gated, tw)) < 1e-2
-            assert rel_err(out, one.double()) < 1e-2
+    tiles), 8 pairs (T = 1, top-6 + 2 shared): split_k 2, 4, 8 (8: uneven over 11 tiles)."""
+    _split_k_projections(*v2_lite_decode_case("int4-g128"), splits=(2, 4, 8))
+
+
+@pytest.mark.gpu
+def test_moe_gemv_split_k_v3_bf16():
+    """16 V3-shaped experts in bf16 (gate/up: N 2 x 2048, K 7168 = 56 tiles; down: N 7168,
+    K 2048 = 16 tiles), one token's 8 pairs: split_k 3 (uneven) and 8."""
+    weights, d13, d2 = v3_experts("int4-g128")
+    tw, ids = random_topk(1, V3_REDUCED["e"], 8, "cuda")
+    hidden = hidden_states(1, V3_REDUCED["hidden"], torch.bfloat16, "cuda", seed=5)
+    act_in = hidden_states(8, V3_REDUCED["inter"], torch.bfloat16, "cuda", seed=6)
+    _split_k_projections(weights, d13, d2, tw, ids, hidden, act_in, splits=(3, 8))
 
 
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
@@ -145,8 +166,8 @@ def test_bench_gemv_sweep_rows_describe_their_config(fmt, device, monkeypatch):
     for name, value in dict(E=4, N_SHARED=1, TOP_K=2, H=256, I=128, GEMV_SWEEP=[(16, 2)],
                             GEMV_SPLITS=[2, None]).items():
         monkeypatch.setattr(bench, name, value)
-    dense = (torch.randn(4, 256, 256, device=device).half() / 16, torch.randn(4, 256, 128, device=device).half() / 16,
-             torch.randn(2 * 128, 256, device=device).half() / 16, torch.randn(256, 128, device=device).half() / 16)
+    dense = tuple(draw_experts("bf16", e, n, k, device, seed=i).squeeze(0).half()
+                  for i, (e, n, k) in enumerate([(4, 256, 256), (4, 256, 128), (1, 2 * 128, 256), (1, 256, 128)]))
     layer = bench.build_layer(fmt, dense, device)
     tw, ids = random_topk(1, 4, 2, device)
     routing = [(torch.randn(1, 256, device=device).half(), tw, ids, with_shared_experts(tw, ids, 4, 1))]
