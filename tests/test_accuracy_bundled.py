@@ -17,7 +17,11 @@ EVAL_TOKENS = 12288
 WINDOW = 512
 STRIDE = 256
 RECIPES = ("rtn-w4g128", "awq-w4g128", "gptq-w4g128", "fp8-block")
-KNOWN_MISSES: dict[tuple[str, str, str], str] = {}  # (model, method, set) -> reason; strict xfail
+KNOWN_MISSES: dict[tuple[str, str, str], str] = {  # (model, method, set) -> reason; strict xfail
+    ("dsq-tiny-v3", "awq-w4g128", "eval_prose"):
+        "AWQ 70.058 vs RTN 69.964 on this CPU with torch 2.14.1, the same at 57581c7 and after it "
+        "(2026-12-01); AWQ's quality on real weights is issue 20",
+}
 
 pytestmark = pytest.mark.skipif(len(bundled_models()) < 2, reason="bundled models not in this checkout")
 
