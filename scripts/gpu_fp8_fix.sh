@@ -4,6 +4,8 @@
 # of the same GPU-made artifacts. Logs under $OUT.
 # Usage: TESTS="tests/kernels/test_fp8_cublas.py ..." scripts/gpu_fp8_fix.sh STEP...
 #   steps: old new demo probe gemm moe engine (benches: FP8 beside its peers, fixed path)
+# .old/ (ignored) holds the old versions: for f in FILES; do mkdir -p .old/$(dirname $f);
+#   git show 57581c7:$f > .old/$f; done; carry .old and .wheels (../shared/wheels/h200-cp312).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/dsquant_triton_cache}
 OUT=${OUT:-out}; mkdir -p "$OUT"
