@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from dsquant.assets import tokenizer_path
+from dsquant.models.checkpoint import layer_of
 
 VOCAB = 256
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -78,3 +79,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def random_prompts(n: int, lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+class DictReader:
+    """The slice of CheckpointReader that shard_linear reads."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def layer_keys(self, layer):
+        return [k for k in self.tensors if layer_of(k) == layer]
+
+    def get(self, key):
+        return self.tensors[key]
+
+    def __contains__(self, key):
+        return key in self.tensors

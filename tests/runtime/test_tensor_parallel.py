@@ -18,30 +18,15 @@ import torch
 
 from dsquant import formats
 from dsquant.errors import ConfigError
-from dsquant.models.checkpoint import layer_of
 from dsquant.runtime.layers.linear import QuantLinear
 from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod
 from dsquant.runtime.parallel import linear as tp_linear
 from dsquant.runtime.parallel.linear import COLUMN, ROW, ActQuantDenseMethod, Part, RowShardFP8Method, shard_linear
 from dsquant.runtime.parallel.state import ParallelState
 
+from conftest import DictReader
+
 P = "model.layers.0.mlp.down_proj"
-
-
-class DictReader:
-    """The slice of CheckpointReader that shard_linear reads."""
-
-    def __init__(self, tensors: dict):
-        self.tensors = tensors
-
-    def layer_keys(self, layer):
-        return [k for k in self.tensors if layer_of(k) == layer]
-
-    def get(self, key):
-        return self.tensors[key]
-
-    def __contains__(self, key):
-        return key in self.tensors
 
 
 def checkpoint(scheme: str, n: int, k: int, group: int = 128, act_order: bool = False, seed: int = 0):

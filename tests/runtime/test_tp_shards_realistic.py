@@ -25,29 +25,17 @@ import pytest
 import torch
 
 from dsquant import formats
-from dsquant.models.checkpoint import layer_of
 from dsquant.runtime.layers.linear import LinearFactory
 from dsquant.runtime.parallel import linear as tp_linear
 from dsquant.runtime.parallel.linear import COLUMN, ROW, ActQuantDenseMethod, Part, RowShardFP8Method, shard_linear
 from dsquant.runtime.parallel.state import ParallelState
+
+from conftest import DictReader
 from tests.quantized_weights import QuantizedWeight, realistic_quantized
 from tests.realistic_weights import max_block_rel_err, realistic_activations, realistic_weight
 
 P = "model.layers.0.mlp.down_proj"
 B = formats.FP8_BLOCK
-
-
-class DictReader:
-    """The slice of CheckpointReader that shard_linear reads."""
-
-    def __init__(self, tensors: dict):
-        self.tensors = tensors
-
-    def layer_keys(self, layer):
-        return [k for k in self.tensors if layer_of(k) == layer]
-
-    def get(self, key):
-        return self.tensors[key]
 
 
 def quantized(fmt: str, n: int, k: int, group: int, seed: int) -> QuantizedWeight:
