@@ -60,44 +60,76 @@ def _interval(per_window: list[float], counts: list[int]) -> Interval:
     return Interval(mean, mean - half, mean + half)
 
 
+LOGITS_BUDGET = 256 << 20  # bytes of float32 logits one forward may return (windows per batch follow)
+CHUNK = 256  # scored positions per log-softmax / KL step: temporaries of CHUNK x V floats
+
+
 @torch.no_grad()
 def window_logits(model, tokens: torch.Tensor, window: int, stride: int, device, batch: int = 4):
-    """Yield (EvalWindow, logprobs of the scored predictions [n_scored, V] fp32, targets [n_scored])."""
+    """Yield (EvalWindow, float32 logits of the scored predictions [n_scored, V], targets [n_scored]).
+
+    Windows run `batch` at a time, fewer when their logits would pass LOGITS_BUDGET (a 49K
+    vocabulary at window 2048 is 400 MB a window), so memory is bounded by the window and the
+    vocabulary, never by the number of evaluated tokens."""
     windows = sliding_windows(tokens.numel(), window, stride)
-    for i in range(0, len(windows), batch):
-        group = windows[i:i + batch]
-        lengths = {w.end - w.start for w in group}
-        subgroups = [[w for w in group if w.end - w.start == n] for n in sorted(lengths)]
-        for sub in subgroups:
+    vocab, i = None, 0
+    while i < len(windows):
+        per_window = window * (vocab or 1) * 4
+        n = 1 if vocab is None else max(1, min(batch, LOGITS_BUDGET // per_window))
+        group = windows[i:i + n]
+        i += len(group)
+        for length in sorted({w.end - w.start for w in group}):
+            sub = [w for w in group if w.end - w.start == length]
             ids = torch.stack([tokens[w.start:w.end] for w in sub]).to(device)  # [B, T]
-            logits = model(ids).float()  # [B, T, V]
-            logprobs = torch.log_softmax(logits[:, :-1], dim=-1)  # predicts tokens 1..T-1
+            logits = model(ids)  # [B, T, V]
+            vocab = logits.shape[-1]
             for row, w in enumerate(sub):
-                keep = slice(ids.shape[1] - 1 - w.n_scored, None)
-                yield w, logprobs[row, keep], ids[row, 1:][keep]
+                keep = slice(ids.shape[1] - 1 - w.n_scored, ids.shape[1] - 1)  # predicts tokens 1..T-1
+                yield w, logits[row, keep].float(), ids[row, 1:][keep.start:]
+            del logits
+
+
+def _window_stats(base_logits: torch.Tensor, logits: torch.Tensor, target: torch.Tensor):
+    """(baseline NLL sum, artifact NLL sum, per-token KL(base || artifact) [n], argmax agreements),
+    CHUNK positions at a time; logits [n, V] float32, target [n]."""
+    base_nll = nll = agree = 0.0
+    kls = []
+    for c in range(0, target.numel(), CHUNK):
+        base_lp = torch.log_softmax(base_logits[c:c + CHUNK], dim=-1)  # [c, V]
+        lp = torch.log_softmax(logits[c:c + CHUNK], dim=-1)
+        t = target[c:c + CHUNK, None]
+        base_nll -= float(base_lp.gather(-1, t).sum())
+        nll -= float(lp.gather(-1, t).sum())
+        kls.append((base_lp.exp() * (base_lp - lp)).sum(-1).clamp(min=0))  # [c]
+        agree += float((lp.argmax(-1) == base_lp.argmax(-1)).sum())
+    return base_nll, nll, torch.cat(kls), agree
 
 
 @torch.no_grad()
 def compare(baseline, artifacts: dict, tokens: torch.Tensor, name: str, window: int, stride: int,
             device) -> tuple[SetAccuracy, dict[str, SetAccuracy]]:
-    """Baseline and every artifact on the same windows of `tokens` [N]."""
+    """Baseline and every artifact on the same windows of `tokens` [N]; one window's logits per
+    model are alive at a time."""
     base_stats, art_stats = WindowStats(), {k: WindowStats() for k in artifacts}
     base_iter = window_logits(baseline, tokens, window, stride, device)
     art_iters = {k: window_logits(m, tokens, window, stride, device) for k, m in artifacts.items()}
-    for w, base_lp, target in base_iter:
-        base_stats.nll.append(-float(base_lp.gather(-1, target[:, None]).sum()))
+    for w, base_logits, target in base_iter:
         base_stats.counts.append(w.n_scored)
-        base_p = base_lp.exp()
-        base_top = base_lp.argmax(-1)
+        base_nll = None
         for key, it in art_iters.items():
-            _, lp, _ = next(it)
+            _, logits, _ = next(it)
+            b_nll, nll, kl, agree = _window_stats(base_logits, logits, target)
+            base_nll = b_nll
             s = art_stats[key]
-            s.nll.append(-float(lp.gather(-1, target[:, None]).sum()))
-            kl = (base_p * (base_lp - lp)).sum(-1).clamp(min=0)  # [n_scored]
+            s.nll.append(nll)
             s.kl.append(float(kl.sum()))
             s.kl_tokens.append(kl.cpu())
-            s.agree.append(float((lp.argmax(-1) == base_top).sum()))
+            s.agree.append(agree)
             s.counts.append(w.n_scored)
+            del logits
+        if base_nll is None:  # no artifacts: the baseline's perplexity alone
+            base_nll = -float(torch.log_softmax(base_logits, -1).gather(-1, target[:, None]).sum())
+        base_stats.nll.append(base_nll)
     n_tokens = int(tokens.numel())
 
     def ppl(stats):
