@@ -30,10 +30,17 @@ def resolve_model_dir(arg: str) -> str:
 
     if not os.path.exists(arg) and arg in BUNDLED_MODELS:
         return str(bundled_model_path(arg))
+    if not os.path.exists(arg):
+        import difflib
+
+        close = difflib.get_close_matches(arg, BUNDLED_MODELS, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise DsquantError(f"{arg}: no such directory, nor a bundled model (bundled: {', '.join(BUNDLED_MODELS)})"
+                           f"{hint}")
     return arg
 
 
-@cli.command()
+@cli.command(short_help="Describe a checkpoint: architecture, layers, formats.")
 @click.argument("model_dir", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(model_dir: str, as_json: bool) -> None:
@@ -56,6 +63,7 @@ def inspect(model_dir: str, as_json: bool) -> None:
             "module_types": {t: {"count": i.count, "params": i.params, "formats": dict(i.formats)}
                              for t, i in summary.module_types.items()},
             "quantization_config": summary.quantization,
+            "quantization": summary.quantization_info(),
             "quantized_module_types": summary.quantized_types(),
         }
         click.echo(json.dumps(payload, indent=1))
@@ -67,10 +75,11 @@ def _register() -> None:
     from dsquant.bench import register as register_bench
     from dsquant.calibrate.cli_quantize import quantize
     from dsquant.runtime.cli import generate
+    from dsquant.runtime.cli_profile import profile
     from dsquant.runtime.server.cli_serve import serve
     from dsquant.validate.cli_validate import demo, validate
 
-    for command in (quantize, serve, validate, generate, demo):
+    for command in (quantize, serve, validate, generate, demo, profile):
         cli.add_command(command)
     bench = register_bench()
     if bench.commands:

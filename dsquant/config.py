@@ -79,6 +79,10 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     torch_dtype: str | None = None
     raw: dict = field(default_factory=dict, repr=False)
+    # a quantization_config read from a side file (AutoAWQ quant_config.json, AutoGPTQ
+    # quantize_config.json) when config.json has none; see quant_config.py
+    side_quantization: dict | None = field(default=None, repr=False)
+    quantization_source: str | None = None  # the file the quantization_config came from
 
     @property
     def is_deepseek(self) -> bool:
@@ -100,7 +104,7 @@ class ModelConfig:
 
     @property
     def quantization_config(self) -> dict | None:
-        return self.raw.get("quantization_config")
+        return self.raw.get("quantization_config") or self.side_quantization
 
 
 def _rope_from_raw(raw: dict, where: str) -> RopeConfig:
@@ -174,6 +178,7 @@ def config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
         eos_token_id=raw.get("eos_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         raw=raw,
+        quantization_source="config.json" if raw.get("quantization_config") else None,
     )
     if cfg.hidden_act != "silu":
         raise ConfigError(f"{where}: hidden_act {cfg.hidden_act!r} is not supported (expected 'silu')")
@@ -237,4 +242,11 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{cfg_path}: expected a JSON object")
-    return config_from_dict(raw, str(cfg_path))
+    cfg = config_from_dict(raw, str(cfg_path))
+    from dsquant.quant_config import resolve
+
+    quant, source = resolve(path, raw)
+    if quant is not None and "quantization_config" not in raw:
+        cfg.side_quantization = quant
+    cfg.quantization_source = source
+    return cfg

@@ -9,7 +9,8 @@ Layouts (see ../shared/design.md):
   8 nibbles per int32 along N; nibble i (bits 4i..4i+3) of packed column c holds output column
   8c + AWQ_ORDER[i], AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7). W^T[k, n] = (q - z) * s.
 - GPTQ v1: qweight int32 [K/8, N] packed along K (nibble i of row r is k = 8r + i), qzeros
-  int32 [K/G, N/8] packed along N in plain order and stored as z - 1, scales [K/G, N],
+  int32 [K/G, N/8] packed along N in plain order and stored as z - 1 (GPTQ v2, the
+  `checkpoint_format: gptq_v2` of GPTQModel: stored as z), scales [K/G, N],
   g_idx int32 [K] (group of each input channel; a permutation under act-order).
 - FP8 block (DeepSeek-V3): weight float8_e4m3fn [N, K], weight_scale_inv fp32
   [ceil(N/B), ceil(K/B)] with B = 128; W = fp8 * scale_inv per block, edge blocks partial.
@@ -90,29 +91,32 @@ def unpack_gptq_qweight(qweight: torch.Tensor) -> torch.Tensor:
     return _unpack_last_dim(qweight.t(), range(8)).t().contiguous()
 
 
-def pack_gptq_qzeros(z: torch.Tensor) -> torch.Tensor:
-    """zero points [K/G, N] (1..16 for 4-bit) -> int32 [K/G, N/8] storing z - 1 (GPTQ v1).
+def pack_gptq_qzeros(z: torch.Tensor, v2: bool = False) -> torch.Tensor:
+    """zero points [K/G, N] -> int32 [K/G, N/8]: v1 stores z - 1 (z in 1..16), v2 z itself (0..15).
 
     GPTQ v1 cannot store a zero point of 0 (it would wrap to 15 and read back as 16, another
     weight): such grids are refused; clamp z to >= 1 and re-round the codes first (calibrate/gptq.py).
     """
     z = z.to(torch.int32)
-    if z.numel() and (int(z.min()) < 1 or int(z.max()) > 16):
+    lo, hi = (0, 15) if v2 else (1, 16)
+    if z.numel() and (int(z.min()) < lo or int(z.max()) > hi):
+        if v2:
+            raise ValueError(f"GPTQ v2 stores zero points 0..15, got {int(z.min())}..{int(z.max())}")
         raise ValueError(f"GPTQ v1 stores zero points 1..16 (as z - 1 in 4 bits), got {int(z.min())}.."
                          f"{int(z.max())}: clamp the zero points to >= 1 and re-round the codes")
-    return _pack_last_dim((z - 1) & 0xF, range(8))
+    return _pack_last_dim(z if v2 else (z - 1) & 0xF, range(8))
 
 
-def unpack_gptq_qzeros(qzeros: torch.Tensor) -> torch.Tensor:
-    """int32 [K/G, N/8] -> zero points [K/G, N] (stored value + 1)."""
-    return _unpack_last_dim(qzeros, range(8)) + 1
+def unpack_gptq_qzeros(qzeros: torch.Tensor, v2: bool = False) -> torch.Tensor:
+    """int32 [K/G, N/8] -> zero points [K/G, N]: the stored value + 1 (v1), or as stored (v2)."""
+    return _unpack_last_dim(qzeros, range(8)) + (0 if v2 else 1)
 
 
 def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                    g_idx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """GPTQ v1 tensors -> dense weight [N, K] in `dtype`."""
+                    g_idx: torch.Tensor, dtype: torch.dtype = torch.float32, v2: bool = False) -> torch.Tensor:
+    """GPTQ tensors (v1, or v2 with `v2`) -> dense weight [N, K] in `dtype`."""
     q = unpack_gptq_qweight(qweight)  # [K, N]
-    z = unpack_gptq_qzeros(qzeros)  # [K/G, N]
+    z = unpack_gptq_qzeros(qzeros, v2)  # [K/G, N]
     g = g_idx.to(torch.long)
     w_t = (q - z[g]).to(torch.float32) * scales.to(torch.float32)[g]  # [K, N]
     return w_t.t().contiguous().to(dtype)
@@ -165,11 +169,12 @@ def to_awq_tensors(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, d
 
 
 def to_gptq_tensors(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    dtype=torch.float16):
-    """Grid codes in [N, K] / [N, K/G] layout -> GPTQ v1 (qweight, qzeros, scales, g_idx)."""
+                    dtype=torch.float16, v2: bool = False):
+    """Grid codes in [N, K] / [N, K/G] layout -> GPTQ v1 (or v2) (qweight, qzeros, scales, g_idx)."""
     k = q.shape[1]
     g_idx = group_index(k, group_size, q.device).to(torch.int32)
-    return pack_gptq_qweight(q.t()), pack_gptq_qzeros(zeros.t()), scales.t().contiguous().to(dtype), g_idx
+    return (pack_gptq_qweight(q.t()), pack_gptq_qzeros(zeros.t(), v2), scales.t().contiguous().to(dtype),
+            g_idx)
 
 
 # ---------------------------------------------------------------- FP8 block

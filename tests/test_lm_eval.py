@@ -120,3 +120,42 @@ def test_server_is_stopped_when_the_evaluation_raises(tmp_path):
             raise RuntimeError("boom")
     assert server.proc.returncode == 0, "SIGTERM should drain and exit 0"  # not killed
     assert "dsquant serve: stopped" in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.skipif(not _lm_eval_ready(), reason="lm_eval (pip install 'dsquant[lmeval]') is not installed")
+def test_lm_eval_scores_equal_with_batches_and_string_prompts():
+    """lm-eval's local-completions with --batch_size 4 (a list of prompts per request) and with
+    tokenized_requests=False (prompts sent as text, BOS included as text) scores as the default."""
+    pytest.importorskip("fastapi")
+    import torch
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from dsquant.runtime.llm import LLM
+    from dsquant.runtime.server.app import create_app
+    from dsquant.validate.harness import BUNDLED_TASKS_DIR, scores
+    from tests.server.conftest import running_server
+
+    path = bundled_model_path("dsq-tiny-v3")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(str(path), device="cpu", max_num_seqs=4, max_model_len=256)
+        results, tasks = {}, TaskManager(include_path=[str(BUNDLED_TASKS_DIR)])  # indexing tasks is slow: once
+        with running_server(create_app(llm.engine, model_name="tiny")) as url:
+            for name, extra in [("default", {}), ("batch4", {"batch_size": 4}),
+                                ("text", {"tokenized_requests": False})]:
+                model_args = dict(model="tiny", base_url=f"{url}/v1/completions", tokenizer=str(path),
+                                  tokenizer_backend="huggingface", tokenized_requests=True, add_bos_token=True,
+                                  num_concurrent=1, max_retries=1, max_length=256, max_gen_toks=16, timeout=120)
+                out = simple_evaluate(model="local-completions", model_args={**model_args, **extra},
+                                      tasks=["dsq_prose_cloze", "dsq_prose_choice"], limit=4,
+                                      task_manager=tasks, log_samples=False, bootstrap_iters=0, verbosity="WARNING")
+                results[name] = {(t, m["metric"]): m["value"] for t, ms in scores(out["results"]).items() for m in ms}
+    finally:
+        torch.set_num_threads(threads)
+    assert results["default"] and ("dsq_prose_cloze", "perplexity") in results["default"]
+    for name in ("batch4", "text"):
+        assert results[name].keys() == results["default"].keys()
+        for key, value in results["default"].items():
+            assert results[name][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, key)

@@ -222,9 +222,10 @@ def _print(rows) -> None:
                    + (f"  sweep best {r.best_sweep}" if r.best_sweep else ""))
 
 
-@click.command("attention")
+@click.command("attention", short_help="Paged attention kernels vs SDPA (GPU).")
 @click.option("--json", "json_path", default=None, help="Write rows and environment to this JSON file.")
-@click.option("--block-size", default=64, show_default=True, type=click.Choice(["16", "32", "64"]))
+@click.option("--block-size", default=64, show_default=True, type=click.Choice(["16", "32", "64"]),
+              help="KV cache block size (tokens per block).")
 @click.option("--peer-gb", default=24.0, show_default=True, help="Largest expanded K/V (GB) built for the MLA peer.")
 @click.option("--sweep", is_flag=True, help="Also time alternative launch configs per row and report the fastest.")
 def attention(json_path, block_size, peer_gb, sweep) -> None:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import click
 
+from dsquant.cli_options import check_device
+
 
 @dataclass
 class EngineBenchSpec:
@@ -274,19 +276,23 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v.strip()) if text else ()
 
 
-@click.command(name="engine")
+@click.command(name="engine", short_help="Engine decode and throughput on a random V2-Lite-shaped model.")
 @click.option("--schemes", default="int4,bf16,fp8", show_default=True, help="Comma list of bf16, fp8, int4.")
 @click.option("--layers", type=int, default=None, help="Decoder layers (default: V2-Lite's 27).")
-@click.option("--input-len", type=int, default=512, show_default=True)
-@click.option("--batch1-output", type=int, default=128, show_default=True)
-@click.option("--concurrency", type=int, default=64, show_default=True)
-@click.option("--concurrent-output", type=int, default=256, show_default=True)
+@click.option("--input-len", type=int, default=512, show_default=True, help="Prompt tokens.")
+@click.option("--batch1-output", type=int, default=128, show_default=True,
+              help="Tokens generated in the batch-1 decode run.")
+@click.option("--concurrency", type=int, default=64, show_default=True, help="Requests of the concurrent run.")
+@click.option("--concurrent-output", type=int, default=256, show_default=True,
+              help="Tokens generated per request in the concurrent run.")
 @click.option("--long-context", type=int, default=0, help="Prompt length of one long request (0: skip).")
 @click.option("--serve", "serve_conc", default="", help="HTTP runs at these concurrencies, e.g. 1,8,32,64.")
 @click.option("--peer-batches", default="1,16", show_default=True, help="transformers generate batches ('' skips).")
 @click.option("--modes", default="sync,async", show_default=True,
               help="Engine stepping to measure: sync and/or async (async scheduling).")
-@click.option("--device", default="cuda", show_default=True)
+@click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]),
+              callback=check_device,
+              help="cuda, or cpu for the tiny test configs (--config-json).")
 @click.option("--config-json", default=None, help="JSON object overriding V2-Lite's config (tiny test models).")
 @click.option("--json", "json_path", default=None, help="Write results here (updated as they come).")
 def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_output, long_context, serve_conc,

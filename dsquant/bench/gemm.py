@@ -249,11 +249,12 @@ def rates_table(rows, ms=(1, 16, 4096)) -> str:
     return "\n".join(lines)
 
 
-@click.command(name="gemm")
+@click.command(name="gemm", short_help="W4A16 and FP8 block GEMMs vs cuBLAS and peers (GPU).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write rows here.")
 @click.option("--shapes", default=SHAPES, show_default=True, help="Comma-separated KxN weights.")
 @click.option("--m", "m_list", default=M_VALUES, show_default=True, help="Comma-separated token counts.")
-@click.option("--group-size", default=128, show_default=True, type=click.Choice(["32", "64", "128"]))
+@click.option("--group-size", default=128, show_default=True, type=click.Choice(["32", "64", "128"]),
+              help="INT4 quantization group size.")
 @click.option("--rep-ms", default=50, show_default=True, help="Timing window per measurement.")
 @click.option("--configs", "configs_path", type=click.Path(exists=True, dir_okay=False),
               help="Use these configs (scripts/gemm_sweep.py output) instead of gemm_configs' table.")

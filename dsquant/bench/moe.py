@@ -226,13 +226,14 @@ def _sweep_gemv_rows(fmt, t, layers, routing, time_graph):
     return rows
 
 
-@click.command("moe")
+@click.command("moe", short_help="Fused MoE (BF16/INT4/FP8) vs a loop over experts (GPU).")
 @click.option("--json", "json_path", default=None, help="Write the rows and environment here.")
-@click.option("--tokens", default="1,8,64,512,4096", show_default=True)
-@click.option("--formats", "fmts", default="bf16,int4,fp8", show_default=True)
+@click.option("--tokens", default="1,8,64,512,4096", show_default=True, help="Comma-separated token counts.")
+@click.option("--formats", "fmts", default="bf16,int4,fp8", show_default=True,
+              help="Comma-separated expert weight formats (bf16, int4, fp8).")
 @click.option("--layers", default=4, show_default=True, help="Weight copies cycled per timed call.")
 @click.option("--sweep", "sweep_fmts", default="", help="Formats whose GEMMs to time over SWEEP configs.")
-@click.option("--sweep-tokens", default="1,8,64", show_default=True)
+@click.option("--sweep-tokens", default="1,8,64", show_default=True, help="Token counts of the --sweep runs.")
 def moe(json_path, tokens, fmts, layers, sweep_fmts, sweep_tokens):
     """Fused MoE (BF16/INT4/FP8) vs a bf16 loop over experts, DeepSeek-V2-Lite layer."""
     import torch

@@ -18,6 +18,7 @@ import os
 
 import click
 
+from dsquant.cli_options import device_option
 from dsquant.errors import DsquantError
 
 __all__ = ["serve", "format_table"]
@@ -71,7 +72,7 @@ def _write_json(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-@click.command(name="serve")
+@click.command(name="serve", short_help="Load-test an OpenAI server: TTFT, TPOT, ITL, throughput.")
 @click.option("--url", default=None, help="Base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8000.")
 @click.option("--artifact", default=None, help="Instead of --url: load this artifact (or bundled model) and serve "
               "it in-process; also measures the offline peer.")
@@ -83,20 +84,21 @@ def _write_json(path: str, payload: dict) -> None:
               help="Text set for --dataset corpus: eval_prose, eval_code, calibration or a local source.")
 @click.option("--tokenizer", default=None, help="Directory with tokenizer.json for the prompts. Default: the "
               "artifact's with --artifact, else dsquant's bundled tokenizer.")
-@click.option("--input-len", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--output-len", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--num-prompts", default=100, show_default=True, type=click.IntRange(min=1))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--input-len", default=128, show_default=True, type=click.IntRange(min=1), help="Prompt tokens.")
+@click.option("--output-len", default=128, show_default=True, type=click.IntRange(min=1),
+              help="Tokens generated per request.")
+@click.option("--num-prompts", default=100, show_default=True, type=click.IntRange(min=1), help="Requests sent.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the prompts and arrivals.")
 @click.option("--request-rate", default="inf", show_default=True,
               help="Requests per second (Poisson arrivals); inf sends all at once.")
 @click.option("--max-concurrency", default=None, help="Requests in flight at most; a list such as 1,8,32,64 runs "
               "each in turn. Default: no limit.")
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Sampling temperature of the requests (0: greedy).")
 @click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds per request.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results here.")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
-              help="--artifact only. Default: cuda when available.")
+@device_option(help="--artifact only. Default: cuda when available.")
 @click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1), help="--artifact only.")
 @click.option("--max-model-len", default=None, type=click.IntRange(min=2),
               help="--artifact only. Default: the config's.")

@@ -105,3 +105,46 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: SchemeSpec, opts: AWQOpt
         best = torch.where(better, err, best)
         ratio = torch.where(better, torch.full_like(ratio, r), ratio)
     return ratio
+
+
+def search_scales_experts(groups: list[Member], opts: AWQOptions, scale_dtype: torch.dtype,
+                          chunk: int = 8) -> list[torch.Tensor]:
+    """Best scale s [K] for each routed expert's up -> down group, scored on the expert's own
+    output (its down_proj on its own routed tokens), `chunk` experts per batched GEMM.
+
+    groups: one Member per expert (its down_proj), weights all [N, K]. For each grid point, the
+    chunk's candidate weights are fake-quantized in one call ([E*N, K]: groups run along K within
+    a row, so stacking rows of experts changes nothing) and scored in one bmm over the experts'
+    inputs zero-padded to the longest (a zero row adds zero error). Same loss and grid as
+    search_scales(..., block_loss=None), expert by expert."""
+    out: list[torch.Tensor] = []
+    for start in range(0, len(groups), chunk):
+        part = groups[start:start + chunk]
+        n, k = part[0].weight.shape
+        device = part[0].weight.device
+        live = [i for i, m in enumerate(part) if m.spec.is_int and m.x.numel()]
+        best = [torch.ones(k, device=device) for _ in part]
+        if not live:
+            out += best
+            continue
+        members = [part[i] for i in live]
+        t_max = max(m.x.shape[0] for m in members)
+        x = torch.zeros(len(members), t_max, k, device=device)  # [E, T, K]
+        for e, m in enumerate(members):
+            x[e, :m.x.shape[0]] = m.x
+        w = torch.stack([m.weight for m in members])  # [E, N, K]
+        ref = torch.bmm(x, w.transpose(1, 2))  # [E, T, N]
+        counts = torch.tensor([m.x.shape[0] * n for m in members], device=device, dtype=torch.float32)
+        best_loss = torch.full((len(members),), float("inf"), device=device)
+        grids = [candidate_scales([m], opts) for m in members]
+        spec = members[0].spec
+        for _ in range(opts.grid):
+            s = torch.stack([next(g) for g in grids])  # [E, K]
+            wq = fake_quant((w * s[:, None, :]).reshape(-1, k), spec, scale_dtype).reshape(w.shape) / s[:, None, :]
+            loss = (torch.bmm(x, wq.transpose(1, 2)) - ref).pow(2).sum((1, 2)) / counts  # [E]
+            better = loss < best_loss
+            best_loss = torch.where(better, loss, best_loss)
+            for e in better.nonzero().flatten().tolist():
+                best[live[e]] = s[e]
+        out += best
+    return out

@@ -6,6 +6,9 @@
    v_proj -> o_proj when shapes allow. MLP: post_attention_layernorm -> gate/up of every
    routed and shared expert (the router's columns are scaled too, so routing is unchanged);
    each up_proj -> its down_proj), then the clip search on INT Linears except query/key ones.
+   Groups are scored on the decoder layer's output (AWQ's module-to-inspect), except an MoE
+   expert's up -> down, scored on that expert's own down_proj output: the routed experts in
+   batched GEMMs (awq.search_scales_experts).
 3. Quantize every Linear with its recipe scheme (AWQ/RTN grid, GPTQ, FP8 block, BF16).
 4. Write the dequantized weights back, so the next forward sees what inference will.
 """
@@ -108,8 +111,11 @@ def _layer_output_loss(layer, linears, hidden, ctx, recipe: Recipe, batch: int):
 
 
 def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, recipe: Recipe,
-                   scale_dtype: torch.dtype, batch: int = 8) -> LayerResult:
-    """Quantize `layer` in place (weights become their dequantized values)."""
+                   scale_dtype: torch.dtype, batch: int = 8, progress=None) -> LayerResult:
+    """Quantize `layer` in place (weights become their dequantized values).
+
+    progress(done, total, what): called after each AWQ scaling group's search and each module's
+    quantization (an MoE layer has one per expert projection), so a long layer shows movement."""
     linears = _linears(layer, prefix)
     specs: dict[str, SchemeSpec] = {n: recipe.scheme_for(n) for n in linears}
     gptq_names = {n for n, s in specs.items() if s.scheme == "gptq"}
@@ -127,16 +133,44 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
         fallback = expert_fallback(data, layer.mlp, f"{prefix}.mlp", 32, gptq_names)
     inputs = {n: data.inputs(n).to(hidden.device) for n in linears}
 
-    if any(s.scheme == "awq" for s in specs.values()):
+    groups = scaling_groups(layer, prefix) if any(s.scheme == "awq" for s in specs.values()) else []
+    total, done = len(groups) + len(linears), 0
+
+    def tick(what: str, n: int = 1) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total, what)
+
+    if groups:
         block_loss = _layer_output_loss(layer, linears, hidden, ctx, recipe, batch) if recipe.awq.block_loss else None
-        for producer, kind, names, passengers in scaling_groups(layer, prefix):
+        moe = isinstance(layer.mlp, MoE)
+        routed: list = []  # MoE routed experts' up -> down groups: batched, each on its own output
+        for producer, kind, names, passengers in groups:
             members = [awq.Member(n, linears[n].weight.detach().float(), specs[n], inputs[n]) for n in names]
             if not any(m.spec.scheme == "awq" for m in members):
+                tick("awq scales")
                 continue
-            s = awq.search_scales(members, recipe.awq, scale_dtype, block_loss)
+            if moe and kind == "linear" and ".mlp." in names[0]:  # an expert's up -> down
+                if ".experts." in names[0] and len(members) == 1 and members[0].spec.scheme == "awq":
+                    routed.append((producer, members[0]))
+                    continue  # ticked once its batch of experts is searched
+                s = awq.search_scales(members, recipe.awq, scale_dtype)  # the shared expert's own output
+            else:
+                s = awq.search_scales(members, recipe.awq, scale_dtype, block_loss)
             _fold(producer, kind, [linears[n] for n in names], passengers, s)
             for n in names:
                 inputs[n] = inputs[n] / s
+            tick("awq scales")
+        by_shape: dict = {}
+        for producer, m in routed:
+            by_shape.setdefault((tuple(m.weight.shape), m.spec), []).append((producer, m))
+        for group in by_shape.values():
+            scales = awq.search_scales_experts([m for _, m in group], recipe.awq, scale_dtype)
+            for (producer, m), s in zip(group, scales):
+                _fold(producer, "linear", [linears[m.name]], [], s)
+                inputs[m.name] = inputs[m.name] / s
+            tick("awq scales (experts)", len(group))
 
     weights, errors = {}, {}
     for name, lin in linears.items():
@@ -156,6 +190,7 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
         weights[name] = qw
         with torch.no_grad():
             lin.weight.copy_(qw.dequantized.to(lin.weight.dtype))
+        tick(name[len(prefix) + 1:])
     return LayerResult(weights, errors, fallback)
 
 

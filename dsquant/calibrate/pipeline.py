@@ -28,7 +28,7 @@ from dsquant.models.loader import check_layer_headers, load_layer, open_model, r
 @dataclass
 class QuantizeArgs:
     model_dir: str
-    recipe: str
+    recipe: str | Recipe  # a path or bundled name, or a Recipe (`--scheme`: calibrate/presets.py)
     out_dir: str
     calib: str | None = None
     n_samples: int = 128
@@ -37,6 +37,10 @@ class QuantizeArgs:
     device: str = "cpu"
     force: bool = False
     batch_size: int = 8
+    format: str | None = None  # None / "auto": the recipe's native format (codecs.choose_format)
+    max_shard_bytes: int | None = None  # a layer's shard over this is written as several files
+    calib_column: str = "text"
+    calib_split: str | None = None
 
 
 @dataclass
@@ -85,8 +89,10 @@ def _layer_tensors(layer, prefix: str, result, fmt: str) -> dict[str, torch.Tens
     return tensors
 
 
-def run_quantize(args: QuantizeArgs, progress=None) -> QuantizeReport:
-    recipe = load_recipe(args.recipe)  # a bad recipe fails before any work
+def run_quantize(args: QuantizeArgs, progress=None, module_progress=None) -> QuantizeReport:
+    """progress(layers done, layers, stats) after each layer; module_progress(layer index, done,
+    total, what) inside a layer, after each AWQ scaling group and each module (layer.quantize_layer)."""
+    recipe = args.recipe if isinstance(args.recipe, Recipe) else load_recipe(args.recipe)  # fails before any work
     if args.n_samples < 1 or args.seqlen < 2:
         raise DsquantError(f"--n-samples and --seqlen must be positive (got {args.n_samples}, {args.seqlen})")
     model_dir = Path(args.model_dir)
@@ -94,7 +100,7 @@ def run_quantize(args: QuantizeArgs, progress=None) -> QuantizeReport:
     cfg = model.config
     check_layer_headers(model, source)  # every layer against config.json before the first is quantized
     _check_group_sizes(model, recipe)
-    fmt = codecs.export_format(recipe)
+    fmt = codecs.choose_format(recipe, args.format)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DsquantError("--device cuda: no CUDA device is available")
@@ -105,22 +111,25 @@ def run_quantize(args: QuantizeArgs, progress=None) -> QuantizeReport:
 
     tokenizer = load_tokenizer(model_dir)
 
-    samples = calibration_samples(tokenizer, args.n_samples, args.seqlen, args.seed, source=args.calib)
+    samples = calibration_samples(tokenizer, args.n_samples, args.seqlen, args.seed, source=args.calib,
+                                  column=args.calib_column, split=args.calib_split)
     data_hash = hashlib.sha256(samples.numpy().tobytes()).hexdigest()
     run_key = {"model_dir": str(model_dir.resolve()), "recipe": recipe.to_dict(), "calib_sha256": data_hash,
                "n_samples": args.n_samples, "seqlen": args.seqlen, "seed": args.seed,
                "device": device.type}
-    writer = ArtifactWriter(args.out_dir, cfg.num_hidden_layers, run_key, args.force)
+    if args.format not in (None, "auto") or args.max_shard_bytes:  # keeps older partial runs resumable
+        run_key.update(format=fmt, max_shard_bytes=args.max_shard_bytes)
+    writer = ArtifactWriter(args.out_dir, cfg.num_hidden_layers, run_key, args.force, args.max_shard_bytes)
     try:
         return _run_layers(args, model, source, recipe, fmt, device, compute_dtype, samples, data_hash, writer,
-                           progress)
+                           progress, module_progress)
     except BaseException:
         writer.discard_if_empty()  # a run that saved no progress leaves no OUT.partial behind
         raise
 
 
 def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, fmt: str, device, compute_dtype, samples,
-                data_hash: str, writer: ArtifactWriter, progress) -> QuantizeReport:
+                data_hash: str, writer: ArtifactWriter, progress, module_progress=None) -> QuantizeReport:
     """Calibrate and write every layer from the writer's resume point, then finalize the artifact."""
     cfg, model_dir, scale_dtype = model.config, Path(args.model_dir), codecs.scale_dtype_for(fmt)
     t0 = time.time()
@@ -139,7 +148,8 @@ def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, fmt: str, dev
         t_layer = time.time()
         load_layer(model, source, i, device, compute_dtype)
         layer, prefix = model.model.layers[i], f"model.layers.{i}"
-        result = quantize_layer(layer, prefix, hidden, ctx, recipe, scale_dtype, args.batch_size)
+        inner = None if module_progress is None else (lambda d, t, what, i=i: module_progress(i, d, t, what))
+        result = quantize_layer(layer, prefix, hidden, ctx, recipe, scale_dtype, args.batch_size, progress=inner)
         hidden = layer_forward(layer, hidden, ctx, args.batch_size)
         writer.write_shard(i, _layer_tensors(layer, prefix, result, fmt),
                            reserve=hidden.numel() * hidden.element_size())
@@ -169,7 +179,8 @@ def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, fmt: str, dev
     manifest = {
         "dsquant_version": _versions()["dsquant"], "format": fmt, "recipe": recipe.to_dict(),
         "source_model": str(model_dir.resolve()),
-        "calibration": {"source": args.calib or "bundled:calibration", "n_samples": args.n_samples,
+        "calibration": {"source": args.calib or "bundled:calibration", "column": args.calib_column,
+                        "split": args.calib_split, "n_samples": args.n_samples,
                         "seqlen": args.seqlen, "seed": args.seed, "sha256": data_hash},
         "device": device.type, "seconds_total": round(time.time() - t0, 3),
         "resumed_from_layer": start,

@@ -19,17 +19,20 @@ def calibration_samples(
     seqlen: int = 512,
     seed: int = 0,
     source: str | Path | None = None,
+    column: str = "text",
+    split: str | None = None,
 ) -> torch.Tensor:
     """Token windows for calibration: LongTensor [n_samples, seqlen], the same for the same seed.
 
     source: None for the bundled calibration set (drawn from the training corpus only), else a
-    local .txt, .jsonl, .parquet file or a `datasets` save_to_disk directory.
+    local .txt, .jsonl, .parquet file or a `datasets` save_to_disk directory; `column` and
+    `split` pick its text field and its split (sources.load_documents).
     """
     if n_samples < 1 or seqlen < 2:
         raise DsquantError(f"calibration needs n_samples >= 1 and seqlen >= 2 (got {n_samples}, {seqlen})")
     # A user's source is always a path: bundled evaluation sets cannot be named by accident.
     name = "calibration" if source is None else Path(source)
-    docs = load_documents(name)
+    docs = load_documents(name, column=column, split=split)
     generator = torch.Generator().manual_seed(seed)
     samples: list[list[int]] = []
     while len(samples) < n_samples:

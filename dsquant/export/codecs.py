@@ -34,6 +34,23 @@ def export_format(recipe: Recipe) -> str:
     return "compressed-tensors"
 
 
+FORMATS = ("auto", "awq", "gptq", "fp8", "compressed-tensors")
+
+
+def choose_format(recipe: Recipe, requested: str | None) -> str:
+    """The export format for `--format requested`: auto (or None) is the recipe's native format
+    (export_format); compressed-tensors takes any recipe (pack-quantized INT4, float-quantized FP8);
+    awq / gptq / fp8 only where they are the native format."""
+    native = export_format(recipe)
+    if requested in (None, "auto", native, "compressed-tensors"):
+        return native if requested in (None, "auto") else requested
+    if requested not in FORMATS:
+        raise ConfigError(f"--format {requested}: expected one of {', '.join(FORMATS)}")
+    valid = ", ".join(dict.fromkeys(["auto", native, "compressed-tensors"]))
+    raise ConfigError(f"--format {requested}: not available for recipe {recipe.name} "
+                      f"({', '.join(sorted(recipe.schemes_used()))}); expected one of {valid}")
+
+
 def scale_dtype_for(fmt: str) -> torch.dtype:
     """AutoAWQ and GPTQ store fp16 scales; compressed-tensors stores the model's bf16."""
     return torch.bfloat16 if fmt == "compressed-tensors" else torch.float16
@@ -122,5 +139,7 @@ def quantization_config(fmt: str, recipe: Recipe, schemes: dict[str, tuple[str, 
         else:
             body = {"weights": _int_args(recipe, kind[1]), "input_activations": None, "format": "pack-quantized"}
         config_groups[f"group_{i}"] = {"targets": targets[kind], "output_activations": None, **body}
-    return {"quant_method": "compressed-tensors", "format": "mixed-precision", "quantization_status": "compressed",
+    group_formats = {g["format"] for g in config_groups.values()}  # one: the recipe is uniform
+    top_format = group_formats.pop() if len(group_formats) == 1 else "mixed-precision"
+    return {"quant_method": "compressed-tensors", "format": top_format, "quantization_status": "compressed",
             "config_groups": config_groups, "ignore": sorted(set(kept) | {"lm_head"}), "kv_cache_scheme": None}

@@ -1,7 +1,8 @@
 """Artifact directory writing: nothing is lost, an interrupted run resumes.
 
 Everything goes to `OUT.partial/` first: one safetensors shard per decoder layer
-(model-{i+1:05d}-of-{L+1:05d}.safetensors), written to a temporary name and renamed, then a
+(model-{i+1:05d}-of-{L+1:05d}.safetensors), written to a temporary name, given a plain file's
+mode (0644 under the usual umask, as config.json; safetensors itself writes 0600) and renamed, then a
 resume state (next layer, its input hidden states, per-layer stats). The last shard holds
 embeddings, final norm and lm_head. `finalize` writes config.json, the index, dsquant.json and
 the tokenizer files, then renames `OUT.partial` to `OUT`. An existing OUT is replaced only
@@ -35,6 +36,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja")
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where /proc tells it (Linux), else set back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _file_mode(path: Path) -> None:
+    """Give `path` the mode a plain new file gets (0666 less the umask, 0644 by default), as
+    config.json has: safetensors writes its files 0600, unreadable to another serving user."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -42,8 +62,11 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 class ArtifactWriter:
-    def __init__(self, out_dir: str | Path, num_layers: int, run_key: dict, force: bool):
+    def __init__(self, out_dir: str | Path, num_layers: int, run_key: dict, force: bool,
+                 max_shard_bytes: int | None = None):
+        """max_shard_bytes: a layer's tensors over this size go to several files (never a tensor split)."""
         self.final = Path(out_dir)
+        self.max_shard_bytes = max_shard_bytes
         self.partial = self.final.with_name(self.final.name + ".partial")
         self.total = num_layers + 1
         self.run_key = run_key
@@ -75,6 +98,7 @@ class ArtifactWriter:
         nbytes = sum(v.numel() * v.element_size() for v in tensors.values())
         try:
             save_file(tensors, str(tmp), metadata=metadata)
+            _file_mode(tmp)
         except (OSError, SafetensorError) as e:
             tmp.unlink(missing_ok=True)
             raise DsquantError(f"{tmp}: cannot write {nbytes} bytes ({e}); {self.partial} is kept: "
@@ -102,8 +126,24 @@ class ArtifactWriter:
         shard_bytes = sum(v.numel() * v.element_size() for v in cpu.values())
         self._check_disk(shard_bytes + reserve + MARGIN, f"shard {name} ({shard_bytes} bytes) and the "
                                                          f"resume state ({reserve} bytes)")
-        self._save(cpu, self.partial / name, {"format": "pt"})
+        parts = self._split(cpu)
+        for j, part in enumerate(parts):
+            part_name = name if len(parts) == 1 else name.replace(".safetensors", f"-{j + 1:03d}.safetensors")
+            self._save(part, self.partial / part_name, {"format": "pt"})
         return name
+
+    def _split(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Tensors in order, cut into runs of at most max_shard_bytes (a bigger tensor alone)."""
+        parts: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for key, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if self.max_shard_bytes and parts[-1] and size + nbytes > self.max_shard_bytes:
+                parts.append({})
+                size = 0
+            parts[-1][key] = t
+            size += nbytes
+        return parts
 
     def save_progress(self, next_layer: int, hidden: torch.Tensor, layer_stats: dict) -> None:
         """After layer next_layer - 1: its outputs (the next inputs) and its stats, atomically."""
@@ -122,9 +162,10 @@ class ArtifactWriter:
 
         out = {}
         for i in range(self.total):
-            name = self.shard_name(i)
-            with safe_open(str(self.partial / name), "pt") as f:
-                out.update({k: name for k in f.keys()})
+            stem = self.shard_name(i)[: -len(".safetensors")]
+            for path in sorted(self.partial.glob(f"{stem}*.safetensors")):  # parts: {stem}-001.safetensors, ...
+                with safe_open(str(path), "pt") as f:
+                    out.update({k: path.name for k in f.keys()})
         return out
 
     def finalize(self, config: dict, manifest: dict, source_dir: Path) -> Path:

@@ -2,8 +2,9 @@
 
 `load_model(path)` gives the reference model (dense linears). Quantized tensors found where the
 model has a dense weight are dequantized as they load: DeepSeek-V3 native FP8 (`weight` e4m3 +
-`weight_scale_inv`), AWQ "gemm" and GPTQ v1. Linears made by a runtime factory carry the
-checkpoint's own tensor names, and their tensors are copied as they are.
+`weight_scale_inv`), AWQ "gemm" and GPTQ v1 / v2, checked against the config first
+(int4_check.py). Linears made by a runtime factory carry the checkpoint's own tensor names, and
+their tensors are copied as they are.
 Never executes code from a checkpoint and never unpickles.
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ from torch import nn
 from dsquant import formats
 from dsquant.config import ModelConfig, load_config
 from dsquant.errors import CheckpointError
+from dsquant.int4_check import INT4_TENSORS, check_g_idx, check_int4_shapes
+from dsquant.quant_config import int4_spec
 from dsquant.models.causal_lm import CausalLM
 from dsquant.models.checkpoint import CheckpointReader, layer_of
 from dsquant.models.layers import Backends
@@ -38,15 +41,20 @@ class WeightSource:
         self.reader, self.cfg = reader, cfg
         q = cfg.quantization_config or {}
         self.quant_method = q.get("quant_method")
-        self.group_size = q.get("group_size", q.get("q_group_size", 128))
+        source = cfg.quantization_source or "config.json"
+        # INT4 config (validated: bits, group size, format version); absent: AWQ g128 / GPTQ v1
+        self.int4 = int4_spec(q, source) if self.quant_method in ("awq", "gptq") else None
+        self.group_size = self.int4.group_size if self.int4 else 128
         self.consumed: set[str] = set()
 
     def _take(self, key: str) -> torch.Tensor:
         self.consumed.add(key)
         return self.reader.get(key)
 
-    def dense_weight(self, key: str, dtype: torch.dtype) -> torch.Tensor | None:
-        """The float [N, K] weight for `key` (`<module>.weight`), or None if nothing provides it."""
+    def dense_weight(self, key: str, dtype: torch.dtype, shape: tuple | None = None) -> torch.Tensor | None:
+        """The float [N, K] weight for `key` (`<module>.weight`), or None if nothing provides it.
+
+        `shape` (N, K), when given, is what AWQ / GPTQ tensors are checked against before decoding."""
         reader, prefix = self.reader, key[: -len(".weight")]
         if key in reader:
             t = self._take(key)
@@ -65,14 +73,39 @@ class WeightSource:
         if f"{prefix}.weight_packed" in reader:
             return self._pack_quantized(prefix, dtype)
         if f"{prefix}.qweight" in reader:
-            qw, qz, sc = (self._take(f"{prefix}.{n}") for n in ("qweight", "qzeros", "scales"))
-            if self.quant_method == "gptq" or f"{prefix}.g_idx" in reader:
-                g_idx = self._take(f"{prefix}.g_idx") if f"{prefix}.g_idx" in reader else \
-                    formats.group_index(qw.shape[0] * 8, self.group_size)
-                return formats.dequantize_gptq(qw, qz, sc, g_idx, dtype)
-            return formats.dequantize_awq(qw, qz, sc, self.group_size, dtype)
+            return self._int4(prefix, dtype, shape)
         return None
 
+
+    def _int4(self, prefix: str, dtype: torch.dtype, shape: tuple | None) -> torch.Tensor:
+        """AWQ gemm / GPTQ (v1, v2) tensors -> dense [N, K], after checking them against the config."""
+        reader = self.reader
+        gptq = self.quant_method == "gptq" or (self.quant_method is None and f"{prefix}.g_idx" in reader)
+        fmt = "gptq" if gptq else "awq"
+        names = INT4_TENSORS[fmt]
+        t = {n: self._take(f"{prefix}.{n}") for n in names if f"{prefix}.{n}" in reader}
+        if "qweight" not in t or "qzeros" not in t or "scales" not in t:
+            missing = next(n for n in names if n not in t)
+            raise CheckpointError(f"{reader.file_of(prefix + '.qweight')}: tensor {prefix + '.' + missing!r} is "
+                                  f"missing; {fmt} weights need it")
+        qw = t["qweight"]
+        n, k = shape if shape is not None else \
+            ((qw.shape[1], qw.shape[0] * 8) if gptq else (qw.shape[1] * 8, qw.shape[0]))
+        file_of = lambda key: str(reader.file_of(key)) if key in reader else str(reader.root)  # noqa: E731
+        source = self.int4.source if self.int4 else ("defaults: config.json has no quantization_config and "
+                                                     "there is no quant_config.json or quantize_config.json")
+        check_int4_shapes(fmt, self.group_size, n, k, {a: tuple(v.shape) for a, v in t.items()}, prefix,
+                          file_of, source)
+        group = k if self.group_size <= 0 else self.group_size
+        if gptq:
+            g_idx = t.get("g_idx")
+            if g_idx is None:
+                g_idx = formats.group_index(k, group)
+            else:
+                check_g_idx(g_idx, k, group, f"{prefix}.g_idx", file_of(f"{prefix}.g_idx"))
+            return formats.dequantize_gptq(qw, t["qzeros"], t["scales"], g_idx, dtype,
+                                           v2=bool(self.int4 and self.int4.v2))
+        return formats.dequantize_awq(qw, t["qzeros"], t["scales"], group, dtype)
 
     def _pack_quantized(self, prefix: str, dtype: torch.dtype) -> torch.Tensor:
         """compressed-tensors pack-quantized INT4 (group strategy) -> dense [N, K]."""
@@ -126,7 +159,7 @@ def load_tensors(model: CausalLM, source: WeightSource, names: list[str], device
         target = torch.float32 if name.endswith(_FP32_PARAMS) else dtype
         src = None
         if meta.dtype in FLOAT_DTYPES and name.endswith(".weight"):
-            src = source.dense_weight(name, target)
+            src = source.dense_weight(name, target, tuple(meta.shape) if meta.ndim == 2 else None)
         elif name in reader:
             src = source._take(name)
         if src is None and name == "lm_head.weight" and cfg.tie_word_embeddings:

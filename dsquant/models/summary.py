@@ -3,7 +3,8 @@
 Used by `dsquant inspect`: architecture, layer mix, parameter count, and for each module type
 (e.g. `self_attn.q_a_proj`, `mlp.experts.*.down_proj`) how many modules, their dtype and
 format (bf16, fp8-block, int4-awq, int4-gptq, compressed-tensors packed), and for quantized
-checkpoints the quantization_config and which module types it covers.
+checkpoints the quantization_config (from config.json, or AutoAWQ's quant_config.json /
+AutoGPTQ's quantize_config.json), its parsed INT4 scheme and which module types it covers.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dsquant.config import ModelConfig, load_config
 from dsquant.models.causal_lm import CausalLM
 from dsquant.models.checkpoint import CheckpointReader
 from dsquant.models.verify import verify_checkpoint
+from dsquant.quant_config import Int4Spec, int4_spec
 
 _LAYER = re.compile(r"\blayers\.\d+\.")
 _EXPERT = re.compile(r"\bexperts\.\d+\.")
@@ -43,6 +45,19 @@ class CheckpointSummary:
     module_types: dict[str, ModuleTypeInfo]
     quantization: dict | None
     tensors_checked: int = 0
+    quantization_source: str | None = None  # config.json, quant_config.json or quantize_config.json
+    int4: Int4Spec | None = None  # parsed AWQ / GPTQ config
+
+    def quantization_info(self) -> dict | None:
+        """Method, bits, group size, zero point, format version and source file (for --json)."""
+        if not self.quantization:
+            return None
+        info = {"method": self.quantization.get("quant_method"), "source": self.quantization_source}
+        if self.int4:
+            i = self.int4
+            info.update(bits=i.bits, group_size=i.group_size, zero_point=i.zero_point, sym=not i.zero_point,
+                        desc_act=i.desc_act, format=i.version)
+        return info
 
     def quantized_types(self) -> list[str]:
         return [t for t, i in self.module_types.items() if any(_is_quant(f) for f in i.formats)]
@@ -104,7 +119,8 @@ def summarize(model_dir: str | Path) -> CheckpointSummary:
         path=str(model_dir), config=cfg, num_params=sum(numel.values()),
         disk_bytes=reader.total_bytes(), num_shards=len(set(reader.key_to_file.values())),
         dense_layers=n_layers - moe, moe_layers=moe, module_types=types, quantization=qcfg,
-        tensors_checked=checked)
+        tensors_checked=checked, quantization_source=cfg.quantization_source,
+        int4=int4_spec(qcfg, cfg.quantization_source or "config.json") if method in ("awq", "gptq") else None)
 
 
 def human(n: float, unit: str = "") -> str:
@@ -141,7 +157,9 @@ def render(s: CheckpointSummary) -> str:
     if s.quantization:
         q = s.quantization
         shown = {k: v for k, v in q.items() if k not in ("config_groups",)}
-        lines += ["", f"quantization {q.get('quant_method')}: {shown}"]
+        lines += ["", f"quantization {q.get('quant_method')} (from {s.quantization_source or 'config.json'}): {shown}"]
+        if s.int4:
+            lines.append(f"  scheme:    {s.int4.describe()}")
         if "config_groups" in q:
             for name, group in q["config_groups"].items():
                 lines.append(f"  group {name}: targets {group.get('targets')}, "

@@ -2,15 +2,18 @@
 
 `dsquant inspect` runs this, so a wrong shape, a wrong dtype or a missing tensor is reported
 before any weight is read. For each tensor the reference model expects, the checkpoint must
-hold it dense, or in a quantized form whose shapes agree (FP8 block, AWQ gemm, GPTQ v1,
-compressed-tensors pack-quantized).
+hold it dense, or in a quantized form whose shapes agree (FP8 block, AWQ gemm, GPTQ v1 / v2
+against the parsed group size and in/out features (int4_check.py), compressed-tensors
+pack-quantized).
 """
 from __future__ import annotations
 
 from dsquant.errors import CheckpointError
 from dsquant.formats import fp8_block_shape
+from dsquant.int4_check import INT4_TENSORS, check_int4_shapes
 from dsquant.models.causal_lm import CausalLM
 from dsquant.models.checkpoint import CheckpointReader
+from dsquant.quant_config import Int4Spec, int4_spec
 
 FLOAT = ("BF16", "F16", "F32")
 FP8 = ("F8_E4M3", "F8_E5M2")
@@ -33,7 +36,7 @@ def _expect(reader, key, shape, dtypes) -> None:
         raise _fail(reader, key, f"has dtype {found_dtype}, expected one of {', '.join(dtypes)}")
 
 
-def _check_linear(reader: CheckpointReader, prefix: str, n: int, k: int, group: int) -> bool:
+def _check_linear(reader: CheckpointReader, prefix: str, n: int, k: int, spec: Int4Spec | None) -> bool:
     """True if the module's weight is present in some known form (raises if malformed)."""
     w = f"{prefix}.weight"
     if w in reader:
@@ -46,15 +49,17 @@ def _check_linear(reader: CheckpointReader, prefix: str, n: int, k: int, group: 
         _expect(reader, w, (n, k), FLOAT)
         return True
     if f"{prefix}.qweight" in reader:
-        if f"{prefix}.g_idx" in reader:  # GPTQ v1
-            _expect(reader, f"{prefix}.qweight", (k // 8, n), ("I32",))
-            _expect(reader, f"{prefix}.g_idx", (k,), ("I32", "I64"))
-            groups = _meta(reader, f"{prefix}.scales")[0][0]
-        else:  # AWQ gemm
-            _expect(reader, f"{prefix}.qweight", (k, n // 8), ("I32",))
-            groups = k // group
-        _expect(reader, f"{prefix}.qzeros", (groups, n // 8), ("I32",))
-        _expect(reader, f"{prefix}.scales", (groups, n), FLOAT)
+        gptq = spec.method == "gptq" if spec else f"{prefix}.g_idx" in reader
+        fmt = "gptq" if gptq else "awq"
+        shapes = {a: _meta(reader, f"{prefix}.{a}")[0] for a in INT4_TENSORS[fmt] if f"{prefix}.{a}" in reader}
+        file_of = lambda key: str(reader.file_of(key)) if key in reader else str(reader.root)  # noqa: E731
+        check_int4_shapes(fmt, spec.group_size if spec else 128, n, k, shapes, prefix, file_of,
+                          spec.source if spec else "defaults (no quantization config)")
+        for a in ("qweight", "qzeros"):
+            _expect(reader, f"{prefix}.{a}", shapes[a], ("I32",))
+        _expect(reader, f"{prefix}.scales", shapes["scales"], FLOAT)
+        if "g_idx" in shapes:
+            _expect(reader, f"{prefix}.g_idx", shapes["g_idx"], ("I32", "I64"))
         return True
     if f"{prefix}.weight_packed" in reader:
         _expect(reader, f"{prefix}.weight_packed", (n, k // 8), ("I32",))
@@ -66,13 +71,13 @@ def verify_checkpoint(model: CausalLM, reader: CheckpointReader) -> int:
     """Raise CheckpointError on the first missing or malformed tensor; return tensors checked."""
     cfg = model.config
     q = cfg.quantization_config or {}
-    group = q.get("group_size", 128) or 128
+    spec = int4_spec(q, cfg.quantization_source or "config.json") if q.get("quant_method") in ("awq", "gptq") else None
     checked = 0
     for name, p in list(model.named_parameters()):
         prefix, _, attr = name.rpartition(".")
         module = model.get_submodule(prefix)
         is_linear = attr == "weight" and p.ndim == 2 and hasattr(module, "in_features")
-        if is_linear and _check_linear(reader, prefix, p.shape[0], p.shape[1], group):
+        if is_linear and _check_linear(reader, prefix, p.shape[0], p.shape[1], spec):
             checked += 1
             continue
         if name not in reader:

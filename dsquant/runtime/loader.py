@@ -6,7 +6,9 @@
    and nothing vouches for its shards (verify=False, `dsquant serve --no-verify`, serves it
    anyway). Other checkpoints get the cheap check: each shard's size against its header.
 2. The model is built with a LinearFactory (one method object per Linear, chosen from
-   quantization_config) and the runtime's attention and MoE backends.
+   quantization_config, or AutoAWQ / AutoGPTQ side files: quant_config.py) and the runtime's
+   attention and MoE backends. AWQ / GPTQ tensors are checked against the config (bits, group
+   size, in/out features, g_idx) before they are used (int4_check.py).
 3. Layer by layer: float tensors of plain modules load through models.loader (cast to the model
    dtype, dequantized when a dense module meets a quantized tensor); a QuantLinear's own tensors
    are copied as stored (int32 codes, fp8, fp32 / fp16 scales); then each method repacks its
@@ -21,6 +23,7 @@ import torch
 
 from dsquant.config import load_config
 from dsquant.errors import CheckpointError
+from dsquant.int4_check import check_g_idx, check_int4_shapes
 from dsquant.models.causal_lm import CausalLM
 from dsquant.models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader, check_shard_size, sha256_file
 from dsquant.models.layers import Backends
@@ -75,14 +78,32 @@ def verify_manifest(model_dir: str | Path) -> int:
     return len(shards)
 
 
+def _check_int4(module: QuantLinear, prefix: str, tensors: dict, reader) -> None:
+    """AWQ / GPTQ tensors against the config (int4_check.py): named error, never a wrong decode."""
+    method = module.method
+    shapes = {a: tuple(t.shape) for a, t in tensors.items()}
+    file_of = lambda key: str(reader.file_of(key)) if key in reader else str(reader.root)  # noqa: E731
+    check_int4_shapes(method.name, method.group_size, module.out_features, module.in_features, shapes,
+                      prefix, file_of, method.source)
+    if "g_idx" in tensors:
+        key = f"{prefix}.g_idx"
+        check_g_idx(tensors["g_idx"], module.in_features, method.group_size, key, file_of(key))
+
+
 def _load_quant_params(module: QuantLinear, prefix: str, source: WeightSource, device, dtype) -> None:
     reader = source.reader
-    for attr, meta in list(module.named_parameters(recurse=False)):
+    metas = dict(module.named_parameters(recurse=False))
+    tensors = {}
+    for attr, meta in metas.items():
         key = f"{prefix}.{attr}"
         if key not in reader:
             raise CheckpointError(f"{reader.root}: tensor {key!r} is missing; {module.method.name} "
                                   f"weights need it (shape {tuple(meta.shape)})")
-        src = source._take(key)
+        tensors[attr] = source._take(key)
+    if module.method.name in ("awq", "gptq"):
+        _check_int4(module, prefix, {a: t for a, t in tensors.items() if a != "bias"}, reader)
+    for attr, meta in metas.items():
+        key, src = f"{prefix}.{attr}", tensors[attr]
         if attr != "weight_shape" and tuple(src.shape) != tuple(meta.shape):
             raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} has shape {tuple(src.shape)}, "
                                   f"expected {tuple(meta.shape)} for {module.method.name}")
@@ -139,7 +160,7 @@ def load_runtime_model(path: str | Path, backends: Backends, dtype: torch.dtype 
         verify_manifest(path)
     cfg = load_config(path)
     reader = reader if reader is not None else CheckpointReader(path)
-    factory = LinearFactory(cfg.quantization_config, reader, kernels=kernels)
+    factory = LinearFactory(cfg.quantization_config, reader, kernels=kernels, source=cfg.quantization_source)
     backends = Backends(linear=factory, attention=backends.attention, moe=backends.moe, extra=backends.extra)
     model = CausalLM(cfg, backends)
     if parallel is not None and parallel.world_size > 1:

@@ -24,6 +24,7 @@ class Interval:
     value: float
     low: float
     high: float
+    windows: int = 0  # how many windows the interval comes from (1: none, low == high == value)
 
 
 @dataclass
@@ -55,9 +56,9 @@ def _interval(per_window: list[float], counts: list[int]) -> Interval:
     x = torch.tensor(per_window, dtype=torch.float64) / n  # per-window means
     mean = float((x * n).sum() / n.sum())
     if len(per_window) < 2:
-        return Interval(mean, mean, mean)
+        return Interval(mean, mean, mean, len(per_window))
     half = 1.96 * float(x.std()) / math.sqrt(len(per_window))
-    return Interval(mean, mean - half, mean + half)
+    return Interval(mean, mean - half, mean + half, len(per_window))
 
 
 LOGITS_BUDGET = 256 << 20  # bytes of float32 logits one forward may return (windows per batch follow)
@@ -134,7 +135,7 @@ def compare(baseline, artifacts: dict, tokens: torch.Tensor, name: str, window: 
 
     def ppl(stats):
         iv = _interval(stats.nll, stats.counts)
-        return Interval(math.exp(iv.value), math.exp(iv.low), math.exp(iv.high))
+        return Interval(math.exp(iv.value), math.exp(iv.low), math.exp(iv.high), iv.windows)
 
     base = SetAccuracy(name, n_tokens, window, stride, ppl(base_stats))
     results = {}

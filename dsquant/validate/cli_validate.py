@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from dsquant.cli_options import device_option
+
 DEMO_RECIPES = ("awq-w4g128", "gptq-w4g128", "fp8-block", "mixed-fp8attn-w4experts")
 
 
@@ -17,6 +19,7 @@ def _device(device: str | None) -> str:
 
 
 def _finish(rows, paths) -> None:
+    from dsquant.validate.latency_report import latency_warnings
     from dsquant.validate.report import lm_eval_table, table
 
     sets = list(rows[0].accuracy)
@@ -25,6 +28,8 @@ def _finish(rows, paths) -> None:
         click.echo("\nlm-eval (± standard error)\n" + lm_eval_table(rows))
     for key, path in paths.items():
         click.echo(f"{key}: {path}")
+    for line in latency_warnings(rows):  # also in report.md; the exit status does not change
+        click.echo(f"warning: {line}", err=True)
     lm_failed = [f"{r.name}: {n}" for r in rows for n in r.notes if n.startswith("lm-eval failed")]
     for line in lm_failed:  # a requested measurement is missing: the report has it as a note, exit 1
         click.echo(line, err=True)
@@ -35,14 +40,15 @@ def _finish(rows, paths) -> None:
         sys.exit(1)
 
 
-@click.command()
+@click.command(short_help="Accuracy and latency of artifacts against their baseline.")
 @click.argument("artifacts", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--baseline", required=True, type=click.Path(path_type=str), help="The unquantized checkpoint.")
 @click.option("--eval", "eval_set", default="bundled", show_default=True,
               help="'bundled' (eval_prose + eval_code) or a .txt/.jsonl/.parquet/saved-dataset path.")
 @click.option("--max-ppl-increase", type=float, default=None, help="Exit 1 if an artifact's perplexity rises more (%).")
-@click.option("--out", "out_dir", default="dsquant-validate", show_default=True, type=click.Path(path_type=str))
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Default: cuda if present.")
+@click.option("--out", "out_dir", default="dsquant-validate", show_default=True, type=click.Path(path_type=str),
+              help="Report directory (report.md, report.json, plot).")
+@device_option()
 @click.option("--window", default=2048, show_default=True, type=int, help="Perplexity window (tokens).")
 @click.option("--stride", default=None, type=int, help="Window stride (default: window / 2).")
 @click.option("--max-eval-tokens", default=None, type=int, help="Evaluate only the first N tokens of each set.")
@@ -69,9 +75,10 @@ def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, w
     _finish(*run_validate(args, log=lambda m: click.echo(m, err=True)))
 
 
-@click.command()
-@click.option("--out", "out_dir", default="dsquant-demo", show_default=True, type=click.Path(path_type=str))
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Default: cuda if present.")
+@click.command(short_help="Quantize the bundled dsq-tiny-v3 four ways and validate them.")
+@click.option("--out", "out_dir", default="dsquant-demo", show_default=True, type=click.Path(path_type=str),
+              help="Directory for the artifacts and the report.")
+@device_option()
 def demo(out_dir, device):
     """Quantize the bundled dsq-tiny-v3 four ways and validate them all against BF16 (offline)."""
     from dsquant.assets import bundled_model_path

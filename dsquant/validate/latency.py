@@ -3,7 +3,8 @@
 - TTFT: one request with a `ttft_input`-token prompt and one output token, median of repeats.
 - TPOT: one request (batch 1), `tpot_output` tokens: (end - first token) / (tokens - 1), median.
 - Throughput: B concurrent requests (input `throughput_input`, output `throughput_output`,
-  ignore_eos), output tokens per second of wall time, for each B in `batch_sizes`.
+  ignore_eos), output tokens per second of wall time, for each B in `batch_sizes`, median of repeats.
+Every repeat's value is kept (`*_runs`): the report draws their range and warns when repeats disagree.
 Prompts are random token ids drawn from a fixed seed, so every artifact sees the same ones.
 """
 from __future__ import annotations
@@ -43,6 +44,9 @@ class LatencyResult:
     ttft_s: float
     tpot_s: float
     throughput_tok_s: dict[int, float] = field(default_factory=dict)
+    ttft_runs: list[float] = field(default_factory=list)  # each repeat, seconds
+    tpot_runs: list[float] = field(default_factory=list)
+    throughput_runs: dict[int, list[float]] = field(default_factory=dict)  # batch -> each repeat's tok/s
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -81,9 +85,12 @@ def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtyp
         ttfts.append(first[0] - start)
         first, end, n, _ = _run(engine, _prompts(1, 8, vocab, 100 + r), spec.tpot_output)
         tpots.append((end[0] - first[0]) / max(n - 1, 1))
-    throughput = {}
+    runs: dict[int, list[float]] = {}
     for b in spec.batch_sizes:
-        _, end, n, start = _run(engine, _prompts(b, spec.throughput_input, vocab, 1000 + b), spec.throughput_output)
-        throughput[b] = n / (max(end) - start)
+        for _ in range(spec.repeats):
+            _, end, n, start = _run(engine, _prompts(b, spec.throughput_input, vocab, 1000 + b),
+                                    spec.throughput_output)
+            runs.setdefault(b, []).append(n / (max(end) - start))
     del engine
-    return LatencyResult(device, asdict(spec), statistics.median(ttfts), statistics.median(tpots), throughput)
+    return LatencyResult(device, asdict(spec), statistics.median(ttfts), statistics.median(tpots),
+                         {b: statistics.median(v) for b, v in runs.items()}, ttfts, tpots, runs)

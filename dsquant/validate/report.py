@@ -2,7 +2,8 @@
 
 The plot puts each artifact and the baseline at (output tokens/s at the largest batch,
 perplexity increase over the baseline in %) and marks the Pareto front: the points no other
-point beats on both speed and accuracy.
+point beats on both speed and accuracy, with error bars (the latency repeats' range, the
+perplexity's 95% interval over windows) and a caption saying what each axis averages.
 """
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from dsquant.validate.latency_report import (fmt_runs, latency_warnings, plot_caption, ppl_increase_range,
+                                             run_range, throughput_runs)
 
 
 @dataclass
@@ -46,6 +50,10 @@ def pareto(rows: list[ArtifactRow]) -> set[str]:
 def _fmt_iv(iv: dict | None, digits: int = 3) -> str:
     if not iv:
         return "-"
+    if iv.get("windows") == 1:
+        return f"{iv['value']:.{digits}f} (one window: no interval)"
+    if iv.get("windows") is None and iv["low"] == iv["high"]:  # a report.json from before `windows`
+        return f"{iv['value']:.{digits}f} (no interval)"
     return f"{iv['value']:.{digits}f} [{iv['low']:.{digits}f}, {iv['high']:.{digits}f}]"
 
 
@@ -110,15 +118,7 @@ def _markdown(rows: list[ArtifactRow], sets: list[str], meta: dict) -> str:
                        f"{a['kl_p99']:.4f} | {_fmt_iv(a.get('top1_agreement'))} |" if a.get("kl_mean") else
                        f"| {r.name} | {s} ({a['tokens']} tokens, window {a['window']}, stride {a['stride']}) | "
                        f"{_fmt_iv(a['perplexity'])} | - | - | - |")
-    out += ["", f"## Latency ({meta['device_label']})", "",
-            "| artifact | TTFT (input {0}) ms | TPOT (batch 1) ms | {1} |".format(
-                meta["spec"]["ttft_input"], " | ".join(f"tok/s @ batch {b}" for b in meta["spec"]["batch_sizes"])),
-            "| --- | --- | --- | " + " | ".join("---" for _ in meta["spec"]["batch_sizes"]) + " |"]
-    for r in rows:
-        if r.latency:
-            tp = r.latency["throughput_tok_s"]
-            out.append(f"| {r.name} | {r.latency['ttft_s'] * 1e3:.1f} | {r.latency['tpot_s'] * 1e3:.2f} | "
-                       + " | ".join(f"{tp[b]:.0f}" for b in tp) + " |")
+    out += ["", f"## Latency ({meta['device_label']})", ""] + _latency_md(rows, meta)
     if lm_eval_table(rows):
         lm = meta.get("lm_eval", {})
         out += ["", f"## lm-evaluation-harness (lm-eval {lm.get('version', '?')}, {lm.get('model', '')}; "
@@ -130,7 +130,35 @@ def _markdown(rows: list[ArtifactRow], sets: list[str], meta: dict) -> str:
     return "\n".join(out)
 
 
-def plot(rows: list[ArtifactRow], path: Path, device_label: str) -> bool:
+def _latency_md(rows: list[ArtifactRow], meta: dict) -> list[str]:
+    """The latency table (median [min, max] over repeats) and its warnings; "not measured" without."""
+    measured = [r for r in rows if r.latency]
+    if not measured:
+        return ["not measured (--no-latency)."]
+    spec = meta["spec"]
+    batches = list(measured[0].latency["throughput_tok_s"])
+    out = [f"Median over {spec['repeats']} repeat{'s' if spec['repeats'] != 1 else ''}"
+           + (", [min, max] over repeats." if spec["repeats"] > 1 else " (one repeat: no range)."), "",
+           "| artifact | TTFT (input {0}) ms | TPOT (batch 1) ms | {1} |".format(
+               spec["ttft_input"], " | ".join(f"tok/s @ batch {b}" for b in batches)),
+           "| --- | --- | --- | " + " | ".join("---" for _ in batches) + " |"]
+    for r in measured:
+        lat = r.latency
+        runs = lat.get("throughput_runs") or {}
+        out.append(f"| {r.name} | {fmt_runs(lat['ttft_s'], lat.get('ttft_runs'), 1e3, 1)} | "
+                   f"{fmt_runs(lat['tpot_s'], lat.get('tpot_runs'), 1e3, 2)} | "
+                   + " | ".join(fmt_runs(v, runs.get(b), 1.0, 0) for b, v in lat["throughput_tok_s"].items()) + " |")
+    skipped = [r.name for r in rows if not r.latency and r.accuracy]
+    if skipped:
+        out += ["", f"Not measured: {', '.join(skipped)} (they do not run in dsquant's engine)."]
+    warnings = latency_warnings(rows)
+    if warnings:
+        out += [""] + [f"> **warning**: {w}" for w in warnings]
+    return out
+
+
+def plot(rows: list[ArtifactRow], path: Path, device_label: str, sets: list[str] | None = None,
+         spec: dict | None = None) -> bool:
     """accuracy_vs_latency.png; False if matplotlib is missing or no row has latency."""
     pts = [(r, throughput(r)) for r in rows if throughput(r) is not None]
     if not pts:
@@ -141,10 +169,17 @@ def plot(rows: list[ArtifactRow], path: Path, device_label: str) -> bool:
     import matplotlib.pyplot as plt
 
     front = pareto(rows)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sets = sets or list(next(r.accuracy for r in rows if r.accuracy))
+    baseline = next((r for r in rows if r.name == "baseline"), None)
+    fig, ax = plt.subplots(figsize=(7, 5.2))
     for r, tp in pts:
-        ax.scatter(tp, r.ppl_increase_pct, s=60, marker="*" if r.name in front else "o",
-                   color="tab:red" if r.name in front else "tab:blue")
+        color = "tab:red" if r.name in front else "tab:blue"
+        rng, yr = run_range(throughput_runs(r.latency)), ppl_increase_range(r, baseline, sets)
+        if rng or yr:
+            ax.errorbar(tp, r.ppl_increase_pct, fmt="none", ecolor=color, alpha=0.6, capsize=3,
+                        xerr=[[tp - rng[0]], [rng[1] - tp]] if rng else None,
+                        yerr=[[r.ppl_increase_pct - yr[0]], [yr[1] - r.ppl_increase_pct]] if yr else None)
+        ax.scatter(tp, r.ppl_increase_pct, s=60, marker="*" if r.name in front else "o", color=color)
         ax.annotate(r.name, (tp, r.ppl_increase_pct), textcoords="offset points", xytext=(5, 5), fontsize=8)
     fr = sorted([(tp, r.ppl_increase_pct) for r, tp in pts if r.name in front])
     if len(fr) > 1:
@@ -154,7 +189,11 @@ def plot(rows: list[ArtifactRow], path: Path, device_label: str) -> bool:
     ax.set_ylabel("perplexity increase over baseline (%)")
     ax.set_title("dsquant: accuracy vs throughput")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    caption = plot_caption(rows, sets, spec)
+    if latency_warnings(rows):
+        caption += "\nwarning: latency repeats disagree (see report.md): the front may not hold"
+    fig.text(0.01, 0.01, caption, fontsize=6.5, va="bottom", ha="left", wrap=True)
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
@@ -166,11 +205,12 @@ def write_report(rows: list[ArtifactRow], sets: list[str], meta: dict, out_dir: 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"md": out_dir / "report.md", "json": out_dir / "report.json",
              "png": out_dir / "accuracy_vs_latency.png"}
-    payload = {"meta": meta, "sets": sets, "pareto_front": sorted(pareto(rows)), "rows": [asdict(r) for r in rows]}
+    payload = {"meta": meta, "sets": sets, "pareto_front": sorted(pareto(rows)),
+               "latency_warnings": latency_warnings(rows), "rows": [asdict(r) for r in rows]}
     for key, text in (("json", json.dumps(payload, indent=1, default=str)), ("md", _markdown(rows, sets, meta))):
         tmp = paths[key].with_name(paths[key].name + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, paths[key])
-    if not plot(rows, paths["png"], meta["device_label"]):
+    if not plot(rows, paths["png"], meta["device_label"], sets, meta.get("spec")):
         paths.pop("png")
     return paths

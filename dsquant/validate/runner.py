@@ -55,8 +55,10 @@ def _method(path: str) -> str:
     manifest = Path(path) / "dsquant.json"
     if manifest.is_file():
         return json.loads(manifest.read_text())["recipe"]["name"]
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    return (cfg.get("quantization_config") or {}).get("quant_method", "bf16")
+    from dsquant.quant_config import resolve
+
+    q, _ = resolve(path, json.loads((Path(path) / "config.json").read_text()))  # also AutoAWQ/AutoGPTQ side files
+    return (q or {}).get("quant_method", "bf16")
 
 
 def _disk_bytes(path: str) -> int:

@@ -31,7 +31,11 @@ BAD_FIELDS = {  # field -> values that are invalid for both routes
     "top_p": [0, -0.5, 1.0001, 1e308, "NaN", "Infinity"] + NOT_NUMBERS,
     "top_k": [-2, -(10 ** 12), 2 ** 31, 10 ** 20, 1.5] + NOT_NUMBERS,
     "max_tokens": [-1, 10 ** 6, 10 ** 30, 1.5, 1e999] + NOT_NUMBERS,
-    "n": [0, 2, -1, 10 ** 20, "1"],
+    "n": [0, 129, -1, 10 ** 20, "1"],
+    "presence_penalty": [-2.01, 3, "0", "NaN"],
+    "frequency_penalty": [2.01, -1e9, []],
+    "repetition_penalty": [0, -1, "1", 1e300],
+    "logit_bias": [{"a": 1}, {"1": 200}, {"-1": 1}, [1], {"1": "x"}, {str(10 ** 9): 1.0}],
     "stream": ["yes", 1, [], None],
     "stream_options": ["x", [], {"include_usage": "yes"}],
     "stop": [5, [1, 2], {"a": 1}],
@@ -39,8 +43,8 @@ BAD_FIELDS = {  # field -> values that are invalid for both routes
     "ignore_eos": ["true", 0, None],
 }
 BAD_COMPLETION = {
-    "prompt": ["", [], [[]], [-1], [10 ** 9], [1.5], {}, 5, None, ["a", "b"], [[1], [2]], "\ud800",
-               "a\udfffb", ["\udbff"], "word " * 5000, [7] * 5000],
+    "prompt": ["", [], [[]], [-1], [10 ** 9], [1.5], {}, 5, None, "\ud800",
+               "a\udfffb", ["\udbff"], "word " * 5000, [7] * 5000, ["a", ""], [[1], []], [[1], [-1]]],
     "logprobs": [-1, 21, 10 ** 9, "1"],
     "echo": ["yes", 1],
 }

@@ -147,13 +147,13 @@ class _EndlessHandle:
 
 
 def test_collect_returns_none_without_error_when_the_client_leaves(caplog):
-    from dsquant.runtime.server.app import _collect
+    from dsquant.runtime.server.serving import collect
 
     async def main():
         loop = asyncio.get_running_loop()
         errors = []
         loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
-        result = await _collect(_LeavingRequest(), _EndlessHandle(), [])
+        result = await collect(_LeavingRequest(), [_EndlessHandle()], [])
         await asyncio.sleep(0.05)  # let the cancelled consumer finish
         return result, errors
 

@@ -28,7 +28,8 @@ N + 1, which is the last to touch them).
 The overlap is kept narrow. Step N is drained (post-processed before step N + 1 is scheduled, so
 step N + 1 sees every token on the host) when
   - a sequence in step N asks for logprobs or prompt_logprobs (they are appended at launch and
-    must not run ahead of the outputs), or
+    must not run ahead of the outputs), or for penalties or logit_bias (they read its generated
+    tokens on the host), or
   - the running sequences' next tokens may not fit in the free KV blocks, so scheduling could
     preempt (Scheduler.fits_without_preemption): a preempted sequence is recomputed from its
     host tokens, which must all be known.
@@ -123,6 +124,6 @@ def launch_step(runner, batch: ScheduledBatch, max_model_len: int,
 
 def must_drain(pending: LaunchedStep, scheduler: Scheduler) -> bool:
     """Whether `pending` must be post-processed before the next schedule (the rule above)."""
-    if any(s.logprobs is not None or s.prompt_logprobs is not None for s in pending.seqs):
+    if any(s.logprobs is not None or s.prompt_logprobs is not None or s.params.has_penalties for s in pending.seqs):
         return True
     return not scheduler.fits_without_preemption()

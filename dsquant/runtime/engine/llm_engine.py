@@ -45,6 +45,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 64
     verify_checksums: bool = True
     seed: int = 0
+    tokenizer: str | None = None  # a directory with tokenizer.json; None: the model's
     tensor_parallel_size: int = 1  # processes, one per GPU (gloo processes on CPU); runtime/parallel
     kernels: bool | None = None  # Triton attention, fused MoE and quantized GEMMs; None: on CUDA (False: pure torch
     # everywhere, the reference path; True on CPU runs attention/MoE under TRITON_INTERPRET=1)
@@ -167,7 +168,7 @@ class LLMEngine:
                                                    c.enable_chunked_prefill), self.block_manager)
         self.max_model_len = max_model_len
         self.device = device
-        self.tokenizer = load_tokenizer(self.path)
+        self.tokenizer = load_tokenizer(Path(c.tokenizer) if c.tokenizer else self.path)
         self.eos_token_ids = _eos_ids(self.path, cfg)
         self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
         self._ids = itertools.count()
@@ -283,6 +284,7 @@ class LLMEngine:
             delta = detok.add([] if self._is_stop_token(seq, token) else [token]) if detok is not None else ""
             reason = self._check_stop(seq, token, detok, index + 1)
             if reason is not None:
+                delta += detok.flush() if detok is not None else ""  # text held back for a stop string
                 self.scheduler.finish(seq, reason)
                 del self.requests[seq.request_id]
             outputs.append(RequestOutput(

@@ -21,6 +21,7 @@ import torch
 
 from dsquant.runtime.engine.async_step import SampledTokens, TokenReadback
 from dsquant.runtime.engine.packed_copy import PackedCopy
+from dsquant.runtime.engine.penalties import PenaltyTensors
 from dsquant.runtime.engine.sampler import SamplingTensors, sample
 from dsquant.runtime.engine.scheduler import ScheduledBatch
 from dsquant.runtime.layers.attention import PagedContext, allocate_kv_caches, kv_bytes_per_block
@@ -50,6 +51,7 @@ class StepInputs:
     prompt_spans: list = field(default_factory=list)
     sampling: SamplingTensors | None = None  # the sampling rows' parameters, on the device
     graph: bool = False  # inputs are staged in the decode CUDA graphs' static buffers
+    penalties: PenaltyTensors | None = None  # None unless a sampling row has penalties or logit_bias
 
 
 class ModelRunner:
@@ -211,6 +213,7 @@ class ModelRunner:
         their copy to the host; None when no sequence samples. Logprobs, when asked for, are read
         back here (a sync)."""
         inputs = self.prepare(batch)
+        inputs.penalties = PenaltyTensors.from_seqs(inputs.sampling_seqs, self.cfg.vocab_size, self.config.device)
         if inputs.graph:
             logits = self.graphs.replay(inputs.input_ids.shape[0])
         else:
@@ -221,7 +224,7 @@ class ModelRunner:
         if not inputs.sampling_seqs:
             return None
         logits = logits[:n_sample]
-        tokens = sample(logits, inputs.sampling, self.generator)
+        tokens = sample(logits, inputs.sampling, self.generator, inputs.penalties)  # outside any CUDA graph
         want = [i for i, s in enumerate(inputs.sampling_seqs) if s.logprobs is not None]
         if want:
             rows = torch.tensor(want, device=logits.device)

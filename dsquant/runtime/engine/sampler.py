@@ -1,4 +1,5 @@
-"""Token sampling for a batch: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling for a batch: greedy, temperature, top-k, top-p, per-request seeds (after the
+penalties and logit bias of penalties.py, when a row asks for them).
 
 All on the device: the only host read is the caller's `.tolist()` of the new tokens. Sampling
 draws q ~ Exp(1) per vocabulary entry and takes argmax(p / q), which picks token i with
@@ -78,8 +79,12 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.float32).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors, default_generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [S, V] -> token ids [S] int64 (on the logits' device)."""
+def sample(logits: torch.Tensor, t: SamplingTensors, default_generator: torch.Generator | None = None,
+           penalties=None) -> torch.Tensor:
+    """logits [S, V] -> token ids [S] int64 (on the logits' device). penalties: a PenaltyTensors
+    (penalties.py) applied first, or None (the default path: no extra work)."""
+    if penalties is not None:
+        logits = penalties.apply(logits.to(torch.float32))
     if not t.any_random:
         return greedy_argmax(logits)  # [S]
     logits = logits.to(torch.float32)

@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_scheduled_tokens = 0  # over all steps (the server's tokens-per-step histogram reads it)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -131,6 +132,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        self.num_scheduled_tokens += self.config.max_num_batched_tokens - budget
         return batch
 
     def finish(self, seq: Sequence, reason: str) -> None:

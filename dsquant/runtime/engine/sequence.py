@@ -16,6 +16,12 @@ class SamplingParams:
     logprobs = N records each generated token's log-probability and the N most likely ones;
     prompt_logprobs = N does the same for every prompt token after the first (such a request
     skips the prefix cache, since cached positions are never run through the model).
+
+    Penalties (vLLM's semantics, see penalties.py): presence_penalty and frequency_penalty
+    subtract from the logits of tokens generated so far (once, and once per occurrence);
+    repetition_penalty > 1 discourages tokens of the prompt or the output (positive logits
+    divided by it, negative ones multiplied); logit_bias {token id: bias} is added to the
+    logits. The defaults (0, 0, 1, None) switch them off and cost nothing.
     """
 
     max_tokens: int = 16
@@ -28,6 +34,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -41,6 +51,14 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise DsquantError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise DsquantError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of presence/frequency/repetition penalty or logit_bias is on."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:

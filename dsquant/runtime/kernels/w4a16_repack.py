@@ -85,8 +85,9 @@ def repack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 
 
 def repack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                g_idx: torch.Tensor | None = None) -> W4A16Weights:
-    """GPTQ v1 tensors (qweight [K/8, N], qzeros [K/G, N/8] as z-1, scales [K/G, N], g_idx [K]).
+                g_idx: torch.Tensor | None = None, v2: bool = False) -> W4A16Weights:
+    """GPTQ v1 tensors (qweight [K/8, N], qzeros [K/G, N/8] as z-1, scales [K/G, N], g_idx [K]);
+    v2: qzeros hold z itself (checkpoint_format gptq_v2).
 
     Act-order (`desc_act`) g_idx is turned into a permutation of K at load: rows are sorted by
     group so each group is a contiguous run of G rows, and the kernel gathers x[:, perm].
@@ -101,7 +102,7 @@ def repack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     _check(tuple(qzeros.shape) == (ng, n // 8),
            f"qzeros has shape {tuple(qzeros.shape)}, expected {(ng, n // 8)}")
     q = unpack_gptq_qweight(qweight)  # [K, N]
-    z = unpack_gptq_qzeros(qzeros)  # [K/G, N], values 1..16
+    z = unpack_gptq_qzeros(qzeros, v2)  # [K/G, N], values 1..16 (v1) or 0..15 (v2)
     perm = None
     if g_idx is not None:
         _check(tuple(g_idx.shape) == (k,), f"g_idx has shape {tuple(g_idx.shape)}, expected ({k},)")

@@ -1,10 +1,12 @@
 """QuantLinear (a Linear whose weights belong to a method object) and the factory that picks the
-method per module from config.json's quantization_config.
+method per module from the checkpoint's quantization_config (config.json's, or one read from
+AutoAWQ's quant_config.json / AutoGPTQ's quantize_config.json: dsquant/quant_config.py).
 
 Schemes read (design.md "Artifact formats"):
   none                  every Linear dense
   awq                   AutoAWQ gemm; `modules_to_not_convert` (substrings of the module name) dense
-  gptq                  GPTQ v1 (desc_act via g_idx); `modules_to_not_convert` dense
+  gptq                  GPTQ v1, or v2 (checkpoint_format gptq_v2); desc_act via g_idx;
+                        `modules_to_not_convert` dense
   fp8                   DeepSeek-V3 block FP8; modules without `weight_scale_inv` in the checkpoint
                         are dense (the native V3 checkpoint keeps lm_head, gate and norms in bf16)
   compressed-tensors    `config_groups` targets ("Linear", "re:<regex>", or names) and `ignore`
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from dsquant.errors import ConfigError
+from dsquant.quant_config import int4_spec
 from dsquant.runtime.layers.compressed_tensors import ct_method
 from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod, LinearMethod
 
@@ -59,22 +62,18 @@ def _matches(name: str, target: str) -> bool:
 class LinearFactory:
     """Callable (prefix, in, out, bias) -> QuantLinear, the `Backends.linear` of the runtime."""
 
-    def __init__(self, quantization_config: dict | None, reader=None, kernels: bool = True):
+    def __init__(self, quantization_config: dict | None, reader=None, kernels: bool = True,
+                 source: str | None = None):
         self.q = quantization_config or {}
+        self.source = source or "config.json"  # the file the config came from (quant_config.py)
         self.kernels = kernels  # False: every method takes its pure-torch path, on CUDA too
         self.reader = reader  # CheckpointReader or None
         self.method_counts: dict[str, int] = {}
         self.quant_method = self.q.get("quant_method")
         if self.quant_method not in (None, "awq", "gptq", "fp8", "compressed-tensors"):
-            raise ConfigError(f"config.json: quantization_config.quant_method {self.quant_method!r} is not "
+            raise ConfigError(f"{self.source}: quantization_config.quant_method {self.quant_method!r} is not "
                               "supported (expected awq, gptq, fp8 or compressed-tensors)")
-        if self.quant_method in ("awq", "gptq"):
-            bits = self.q.get("bits", self.q.get("w_bit", 4))
-            if bits != 4:
-                raise ConfigError(f"config.json: {self.quant_method} bits {bits} is not supported (expected 4)")
-            if self.quant_method == "awq" and str(self.q.get("version", "gemm")).lower() != "gemm":
-                raise ConfigError(f"config.json: AWQ version {self.q.get('version')!r} is not supported "
-                                  "(expected gemm)")
+        self.int4 = int4_spec(self.q, self.source) if self.quant_method in ("awq", "gptq") else None
         if self.quant_method == "fp8" and self.q.get("activation_scheme", "dynamic") != "dynamic":
             raise ConfigError(f"config.json: fp8 activation_scheme {self.q.get('activation_scheme')!r} is not "
                               "supported (expected dynamic)")
@@ -103,11 +102,11 @@ class LinearFactory:
             return DenseMethod()
         if prefix == "lm_head" or self._not_converted(prefix):
             return DenseMethod()
-        group = self.q.get("group_size", self.q.get("q_group_size", 128))
+        spec = self.int4
         if qm == "awq":
-            return AWQMethod(group_size=group)
+            return AWQMethod(group_size=spec.group_size, source=spec.source)
         if qm == "gptq":
-            return GPTQMethod(group_size=group)
+            return GPTQMethod(group_size=spec.group_size, v2=spec.v2, source=spec.source)
         return FP8BlockMethod()
 
     def __call__(self, prefix: str, in_features: int, out_features: int, bias: bool) -> QuantLinear:

@@ -76,24 +76,29 @@ class DenseMethod(LinearMethod):
 class AWQMethod(LinearMethod):
     """AutoAWQ "gemm": qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N]."""
 
-    group_size: int = 128
+    group_size: int = 128  # -1: per channel (one group spanning K)
+    source: str = "config.json"  # the file the config came from (named in errors)
     name = "awq"
 
     def create_weights(self, layer, in_features, out_features):
-        k, n, g = in_features, out_features, self.group_size
+        k, n = in_features, out_features
+        g = k if self.group_size <= 0 else self.group_size
         layer.qweight = _meta((k, n // 8), torch.int32)
         layer.qzeros = _meta((k // g, n // 8), torch.int32)
         layer.scales = _meta((k // g, n), torch.float16)  # any float dtype is kept as stored
 
     def dequantized_weight(self, layer, dtype):
-        return formats.dequantize_awq(layer.qweight, layer.qzeros, layer.scales, self.group_size, dtype)
+        return formats.dequantize_awq(layer.qweight, layer.qzeros, layer.scales, self._group(layer), dtype)
+
+    def _group(self, layer) -> int:
+        return layer.qweight.shape[0] if self.group_size <= 0 else self.group_size
 
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.qweight):
             return super().process_weights_after_loading(layer)
         from dsquant.runtime.kernels.w4a16_repack import repack_awq
 
-        layer.w4 = repack_awq(layer.qweight, layer.qzeros, layer.scales, self.group_size)
+        layer.w4 = repack_awq(layer.qweight, layer.qzeros, layer.scales, self._group(layer))
         self.release(layer, ("qweight", "qzeros", "scales"))
 
     def apply(self, layer, x):
@@ -113,11 +118,13 @@ def _w4a16_apply(layer, x: torch.Tensor) -> torch.Tensor:
 class GPTQMethod(LinearMethod):
     """GPTQ v1: qweight int32 [K/8, N], qzeros [K/G, N/8] (z - 1), scales [K/G, N], g_idx [K].
 
-    Act-order (desc_act) checkpoints carry a permuted g_idx; the number of groups is then
-    still ceil(K / G).
+    v2 (checkpoint_format gptq_v2): qzeros hold z itself. Act-order (desc_act) checkpoints
+    carry a permuted g_idx (G input channels per group, checked at load); K % G == 0.
     """
 
-    group_size: int = 128
+    group_size: int = 128  # -1: per channel (one group spanning K)
+    v2: bool = False
+    source: str = "config.json"  # the file the config came from (named in errors)
     name = "gptq"
 
     def create_weights(self, layer, in_features, out_features):
@@ -129,14 +136,14 @@ class GPTQMethod(LinearMethod):
         layer.g_idx = _meta((k,), torch.int32)
 
     def dequantized_weight(self, layer, dtype):
-        return formats.dequantize_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, dtype)
+        return formats.dequantize_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, dtype, v2=self.v2)
 
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.qweight):
             return super().process_weights_after_loading(layer)
         from dsquant.runtime.kernels.w4a16_repack import repack_gptq
 
-        layer.w4 = repack_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx)
+        layer.w4 = repack_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, v2=self.v2)
         self.release(layer, ("qweight", "qzeros", "scales", "g_idx"))
 
     def apply(self, layer, x):

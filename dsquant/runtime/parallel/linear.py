@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -105,7 +105,7 @@ def _awq(method: AWQMethod, p: str, kind: str, part: Part, get) -> LinearShard |
         if part.start % 8 or part.size % 8:
             return None
         packed = slice(part.start // 8, part.stop // 8)
-        return LinearShard(AWQMethod(group_size=method.group_size), {
+        return LinearShard(replace(method), {
             keys["qweight"]: lambda: _cut(get(keys["qweight"]), 1, packed),
             keys["qzeros"]: lambda: _cut(get(keys["qzeros"]), 1, packed),
             keys["scales"]: lambda: _cut(get(keys["scales"]), 1, part.slice)})
@@ -113,7 +113,7 @@ def _awq(method: AWQMethod, p: str, kind: str, part: Part, get) -> LinearShard |
     if regrouped is None:
         return None
     g2, groups = regrouped
-    return LinearShard(AWQMethod(group_size=g2), {
+    return LinearShard(replace(method, group_size=g2), {
         keys["qweight"]: lambda: _cut(get(keys["qweight"]), 0, part.slice),
         keys["qzeros"]: lambda: _cut(get(keys["qzeros"]), 0, groups),
         keys["scales"]: lambda: _cut(get(keys["scales"]), 0, groups)})
@@ -125,7 +125,7 @@ def _gptq(method: GPTQMethod, p: str, kind: str, part: Part, get, k: int) -> Lin
         if part.start % 8 or part.size % 8:
             return None
         packed = slice(part.start // 8, part.stop // 8)
-        return LinearShard(GPTQMethod(group_size=method.group_size), {
+        return LinearShard(replace(method), {
             keys["qweight"]: lambda: _cut(get(keys["qweight"]), 1, part.slice),
             keys["qzeros"]: lambda: _cut(get(keys["qzeros"]), 1, packed),
             keys["scales"]: lambda: _cut(get(keys["scales"]), 1, part.slice),
@@ -139,7 +139,7 @@ def _gptq(method: GPTQMethod, p: str, kind: str, part: Part, get, k: int) -> Lin
         return None
     g2, groups = regrouped
     local_g_idx = (torch.arange(part.size) // g2).to(torch.int32)
-    return LinearShard(GPTQMethod(group_size=g2), {
+    return LinearShard(replace(method, group_size=g2), {
         keys["qweight"]: lambda: _cut(get(keys["qweight"]), 0, slice(part.start // 8, part.stop // 8)),
         keys["qzeros"]: lambda: _cut(get(keys["qzeros"]), 0, groups),
         keys["scales"]: lambda: _cut(get(keys["scales"]), 0, groups),

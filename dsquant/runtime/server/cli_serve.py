@@ -6,9 +6,9 @@ would re-raise the signal after its graceful shutdown (exit status 143); dsquant
 keeps the handling and drops the re-raise, since a drained shutdown is a clean exit.
 
 Limits and guards: request bodies over --max-request-bytes get 413; --api-key (or
-DSQUANT_API_KEY) must not be empty; POST bodies must be application/json; the Host header must
-name the server (--allowed-hosts; by default the bound address, or the loopback names when bound
-to loopback); CORS headers only for --allowed-origins.
+DSQUANT_API_KEY, or VLLM_API_KEY) must not be empty; POST bodies must be application/json; the
+Host header must name the server (--allowed-hosts; by default the bound address, or the loopback
+names when bound to loopback); CORS headers only for --allowed-origins.
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ import os
 import signal
 import socket
 import threading
+from pathlib import Path
 
 import click
 
+from dsquant.cli_options import chat_template, engine_config, engine_options, pop_engine_options
 from dsquant.errors import DsquantError
 
 
@@ -68,25 +70,42 @@ def _csv(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
+API_KEY_ENV = ("DSQUANT_API_KEY", "VLLM_API_KEY")  # the first one set wins
+
+
 def _api_key(flag: str | None) -> str | None:
     """The key to require, refusing an empty one (click treats an empty DSQUANT_API_KEY as unset)."""
     from dsquant.runtime.server.guards import check_api_key
 
-    if flag is None and "DSQUANT_API_KEY" in os.environ:
-        flag = os.environ["DSQUANT_API_KEY"]
+    for name in API_KEY_ENV:
+        if flag is None and name in os.environ:
+            flag = os.environ[name]
     return check_api_key(flag)
 
 
-@click.command()
+def _override_prompts(app, tokenizer_dir: str | None, template) -> None:
+    """Point the app's prompt encoding at --tokenizer and --chat-template (set before serving)."""
+    from dsquant.runtime.engine.llm_engine import load_tokenizer
+    from dsquant.runtime.server.prompts import PromptEncoder
+
+    s = app.state.server
+    if tokenizer_dir is not None:
+        s.tokenizer = load_tokenizer(Path(tokenizer_dir))
+        s.prompts = PromptEncoder(s.tokenizer, template, s.max_model_len, tokenizer_dir)
+    elif template is not None:
+        s.prompts.chat_template = template
+
+
+@click.command(short_help="Serve a model over an OpenAI-compatible HTTP API.")
 @click.argument("artifact", type=str)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
-@click.option("--api-key", default=None, envvar="DSQUANT_API_KEY",
-              help="Require `Authorization: Bearer KEY` on /v1 routes (env DSQUANT_API_KEY); an empty key is "
-                   "refused.")
+@click.option("--api-key", default=None, envvar=list(API_KEY_ENV),
+              help="Require `Authorization: Bearer KEY` on /v1 routes (env DSQUANT_API_KEY or VLLM_API_KEY); an "
+                   "empty key is refused.")
 @click.option("--served-model-name", default=None, help="Model name in the API. Default: the artifact's folder name.")
-@click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-model-len", default=None, type=click.IntRange(min=2), help="Default: the model config's.")
+@click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Requests running at once (one engine batch); more wait in the queue.")
 @click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait beyond max-num-seqs running ones; more get 429.")
 @click.option("--max-request-bytes", default=4 << 20, show_default=True,  # app.DEFAULT_MAX_REQUEST_BYTES
@@ -99,24 +118,23 @@ def _api_key(flag: str | None) -> str | None:
 @click.option("--allowed-origins", default=None, metavar="O1,O2",
               help="Origins granted CORS, e.g. https://app.example ('*' for any). Default: none, and no CORS "
                    "headers are sent.")
-@click.option("--gpu-memory-utilization", default=0.9, show_default=True,
-              type=click.FloatRange(0, 1, min_open=True))
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Default: cuda when available.")
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds in-flight requests get to finish after SIGTERM.")
-@click.option("--tensor-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Processes to split the model over: one per GPU on cuda, gloo processes on cpu.")
-@click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
-              help="Launch each engine step before reading the previous one's tokens.")
+@click.option("--metrics-prefix", type=click.Choice(["dsquant", "vllm"]), default="dsquant", show_default=True,
+              help="Prefix of /metrics' names: 'vllm' exposes vllm:* exactly as vLLM does, so vLLM's Grafana "
+                   "dashboards work unmodified.")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check the shards before loading: sha256 against dsquant.json (a dsquant artifact without "
                    "one is refused), else each shard's size against its header.")
+@click.option("--disable-log-requests", is_flag=True,
+              help="Do not log requests (by default one info line each: id, status, token counts, times; "
+                   "never the prompt).")
+@engine_options
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
-          max_num_seqs: int, max_model_len: int | None, max_queue: int, max_request_bytes: int,
-          allowed_hosts: str | None, allowed_origins: str | None, gpu_memory_utilization: float,
-          device: str | None, shutdown_timeout: float, tensor_parallel_size: int, async_scheduling: bool,
-          verify: bool) -> None:
-    """Serve ARTIFACT (a checkpoint or artifact directory, or a bundled model name) over an OpenAI API.
+          max_num_seqs: int, max_queue: int, max_request_bytes: int, allowed_hosts: str | None,
+          allowed_origins: str | None, shutdown_timeout: float, verify: bool, metrics_prefix: str,
+          disable_log_requests: bool, **engine_opts) -> None:
+    """Serve ARTIFACT (a checkpoint, an artifact or a bundled model) over an OpenAI-compatible API.
 
     Limits: at most --max-num-seqs running plus --max-queue waiting requests (more get 429 with
     Retry-After); bodies up to --max-request-bytes (413 beyond); prompts up to max_model_len tokens.
@@ -125,6 +143,7 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     --allowed-origins.
     """
     api_key = _api_key(api_key)
+    opts = pop_engine_options(engine_opts)
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -132,28 +151,31 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     except ImportError as e:
         raise DsquantError(f"dsquant serve needs {e.name}: pip install 'dsquant[serve]'") from e
     from dsquant.cli import resolve_model_dir
-    from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
+    from dsquant.runtime.engine.llm_engine import LLMEngine
     from dsquant.runtime.server.app import create_app
 
     from dsquant.runtime.server.guards import default_allowed_hosts
 
+    model_dir = resolve_model_dir(artifact)
+    template = None  # the tokenizer directory's own unless --chat-template or --tokenizer
+    if opts["chat_template"] is not None or opts["tokenizer"] is not None:
+        template = chat_template(opts["chat_template"], opts["tokenizer"] or model_dir)  # bad ones fail before loading
     sock = _bind(host, port)  # before loading, so a taken port fails fast
     hosts = _csv(allowed_hosts) or default_allowed_hosts(sock.getsockname()[0])
-    engine = LLMEngine(resolve_model_dir(artifact), EngineConfig(
-        device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-        async_scheduling=async_scheduling, verify_checksums=verify))
+    engine = LLMEngine(model_dir, engine_config(opts, max_num_seqs=max_num_seqs, verify_checksums=verify))
     try:
         app = create_app(engine, model_name=served_model_name, api_key=api_key, max_queue=max_queue,
                          max_request_bytes=max_request_bytes, allowed_hosts=hosts,
-                         allowed_origins=_csv(allowed_origins))
-        logger = logging.getLogger("dsquant.server")
-        logger.setLevel(logging.INFO)
+                         allowed_origins=_csv(allowed_origins), metrics_prefix=metrics_prefix)
+        _override_prompts(app, opts["tokenizer"], template)
+        logger = logging.getLogger("dsquant.server")  # one info line per request (app.py)
+        logger.setLevel(logging.WARNING if disable_log_requests else logging.INFO)
         if not logging.getLogger().handlers:
             logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
         bound_host, bound_port = sock.getsockname()[:2]
         name = app.state.server.model_name
-        tp = f", tensor parallel {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+        tp_size = engine.config.tensor_parallel_size
+        tp = f", tensor parallel {tp_size}" if tp_size > 1 else ""
         click.echo(f"dsquant serve: {name} on http://{bound_host}:{bound_port} (device {engine.device}{tp}, "
                    f"max_model_len {engine.max_model_len}, {engine.block_manager.num_blocks} KV blocks)", err=True)
         build_server(app, shutdown_timeout).run(sockets=[sock])

@@ -56,7 +56,10 @@ class _Tracked:  # the engine thread's view of one request
     queue: asyncio.Queue
     arrival: float
     num_prompt_tokens: int
+    max_tokens: int = 0
     scheduled: bool = False
+    scheduled_at: float = 0.0
+    first_token_time: float | None = None
     last_token_time: float | None = None
 
 
@@ -127,7 +130,8 @@ class EngineLoop:
             if self._in_flight >= self.max_num_seqs + self.max_queue:
                 raise QueueFull(f"{self._in_flight} requests in flight; the limit is max_num_seqs "
                                 f"{self.max_num_seqs} + max_queue {self.max_queue}")
-            self._inbox.put(("add", request_id, prompt_ids, params, _Tracked(q, arrival, len(prompt_ids))))
+            tracked = _Tracked(q, arrival, len(prompt_ids), params.max_tokens)
+            self._inbox.put(("add", request_id, prompt_ids, params, tracked))
         self._in_flight += 1
         return RequestHandle(self, request_id, q)
 
@@ -203,7 +207,7 @@ class EngineLoop:
         self._tracked[request_id] = tracked
 
     def _step(self) -> None:
-        start = time.monotonic()
+        start, scheduled_tokens = time.monotonic(), self.engine.scheduler.num_scheduled_tokens
         try:
             outputs: list[RequestOutput] = self.engine.step()
         except Exception as e:
@@ -212,10 +216,11 @@ class EngineLoop:
         self._step_failures = 0
         now = time.monotonic()
         m = self.metrics
+        m.step_tokens(self.engine.scheduler.num_scheduled_tokens - scheduled_tokens)
         produced = {o.request_id for o in outputs}
         for rid, tr in self._tracked.items():
             if not tr.scheduled and (rid in produced or self._is_scheduled(rid)):
-                tr.scheduled = True
+                tr.scheduled, tr.scheduled_at = True, start
                 m.queue_time.observe(max(0.0, start - tr.arrival))
         items = []
         for out in outputs:
@@ -226,12 +231,12 @@ class EngineLoop:
             if tr.last_token_time is None:
                 m.ttft.observe(now - tr.arrival)
                 m.prompt_tokens.inc(tr.num_prompt_tokens)
+                tr.first_token_time = now
             else:
                 m.itl.observe(now - tr.last_token_time)
             tr.last_token_time = now
             if out.finished:
-                m.e2e.observe(now - tr.arrival)
-                m.request_finished(out.finish_reason or "stop")
+                m.request_completed(tr, now, len(out.token_ids), out.finish_reason or "stop")
                 del self._tracked[out.request_id]
             items.append((tr.queue, out))
         self._send(items)

@@ -6,6 +6,9 @@ N most likely strings at that position (`tokens`, `token_logprobs`, `top_logprob
 no log-probability: null) and the text starts with the prompt. `echo: true, max_tokens: 0`
 scores the prompt alone, as loglikelihood evaluations (lm-evaluation-harness's
 `local-completions`) ask.
+
+Chat's `logprobs: true, top_logprobs: N` come back in OpenAI's chat shape (`chat_logprobs`):
+per generated token {token, logprob, bytes, top_logprobs: [N x {token, logprob, bytes}]}.
 """
 from __future__ import annotations
 
@@ -18,17 +21,20 @@ def token_string(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_choice(req: P.CompletionRequest, ids: list[int], final, tokenizer) -> tuple[P.CompletionChoice, int]:
+def completion_choice(req: P.CompletionRequest, ids: list[int], final, tokenizer, prompt=None,
+                      index: int = 0) -> tuple[P.CompletionChoice, int]:
     """The response choice of a finished non-streaming request, and its count of completion tokens.
 
-    ids: the prompt's token ids; final: the request's last RequestOutput. With max_tokens 0 the
-    one token the engine generated (it always generates at least one) is left out.
+    ids: the prompt's token ids; prompt: the prompt as sent (text or ids; default req.prompt);
+    final: the request's last RequestOutput. With max_tokens 0 the one token the engine generated
+    (it always generates at least one) is left out.
     """
+    prompt = req.prompt if prompt is None else prompt
     keep = 0 if req.max_tokens == 0 else len(final.token_ids)
     text = final.text if keep else ""
     finish = final.finish_reason if keep else "length"
     if req.echo:
-        prompt_text = req.prompt if isinstance(req.prompt, str) else (
+        prompt_text = prompt if isinstance(prompt, str) else (
             tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else "")
         text = prompt_text + text
     logprobs = None
@@ -38,7 +44,21 @@ def completion_choice(req: P.CompletionRequest, ids: list[int], final, tokenizer
             entries += list(zip(ids, final.prompt_logprobs or [None] * len(ids)))
         entries += list(zip(final.token_ids[:keep], (final.logprobs or [])[:keep]))
         logprobs = _openai_logprobs(entries, tokenizer)
-    return P.CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish), keep
+    return P.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish), keep
+
+
+def chat_logprobs(token_ids: list[int], entries: list, top_n: int, tokenizer) -> P.ChatLogprobs:
+    """Chat logprobs of the generated tokens token_ids, whose engine entries are (logprob, {id: logprob})."""
+    def one(token_id: int, value: float) -> dict:
+        s = token_string(tokenizer, token_id)
+        return {"token": s, "logprob": value, "bytes": list(s.encode("utf-8", "surrogatepass"))}
+
+    content = []
+    for token_id, (value, top) in zip(token_ids, entries):
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append(P.ChatTokenLogprob(**one(token_id, value),
+                                          top_logprobs=[P.ChatTopLogprob(**one(t, lp)) for t, lp in ranked]))
+    return P.ChatLogprobs(content=content)
 
 
 def _openai_logprobs(entries, tokenizer) -> P.CompletionLogprobs:

@@ -6,6 +6,10 @@ max_model_len * max_token_chars characters only that much of its head is encoded
 alone is over the limit the request is refused. The routes call `encode` and `render_chat`
 through `asyncio.to_thread`; `encode_batch` is used because tokenizers releases the GIL in it
 (plain `encode` holds the GIL, which would stall the event loop thread as well).
+
+With add_special_tokens, a text that already starts with what the tokenizer adds (its BOS
+token's text) is not given it twice: a prompt decoded from ids that held BOS (lm-eval's
+`tokenized_requests=False`) tokenizes back to those ids.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ class PromptEncoder:
         self.max_model_len = max_model_len
         longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1) if tokenizer else 1
         self.char_cap = max_model_len * max(longest, 1) + 64  # characters that surely fill max_model_len
+        # what add_special_tokens puts before a text (e.g. [BOS]); [] for tokenizers that add nothing
+        self.prefix = tokenizer.encode("", add_special_tokens=True).ids if tokenizer else []
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -36,17 +42,23 @@ class PromptEncoder:
             if len(head) > self.max_model_len:
                 raise ApiError(400, f"the prompt has {len(text)} characters, more than this model's "
                                     f"max_model_len {self.max_model_len} tokens", "prompt")
-        return self._encode(text, add_special_tokens)
+        ids = self._encode(text, add_special_tokens)
+        k = len(self.prefix)
+        if add_special_tokens and k and ids[:2 * k] == self.prefix * 2:  # the text itself starts with BOS
+            ids = ids[k:]
+        return ids
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ApiError(400, f"{self.path}/tokenizer_config.json has no chat_template; use /v1/completions")
         from jinja2 import TemplateError
 
         try:
-            return self.chat_template.render(messages)
+            return self.chat_template.render(messages, add_generation_prompt)
         except (DsquantError, TemplateError) as e:
             raise ApiError(400, f"the messages do not fit the chat template: {e}", "messages") from None
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.render_chat(messages), False)  # the template writes BOS itself
+    def chat_ids(self, messages: list[dict], add_special_tokens: bool = False,
+                 add_generation_prompt: bool = True) -> list[int]:
+        """The chat prompt's ids; add_special_tokens is off by default: the template writes BOS itself."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens)

@@ -5,23 +5,38 @@ sampling field is range-checked here (seed within int64, temperature in [0, 2] a
 finite floats only: NaN, Infinity and overflowing literals are refused), so nothing the engine
 cannot take reaches it. Bodies are parsed by pydantic's JSON parser (`parse_request`), which
 bounds nesting depth and refuses lone surrogates, so a hostile body is a 400 too. Fields
-the OpenAI API defines but dsquant does not implement (chat logprobs, tools, ...) are ignored, as
-vLLM does; /v1/completions implements `echo` and `logprobs` (see logprobs.py). `ignore_eos` and `top_k` are vLLM extensions that benchmarks rely on.
+the OpenAI API defines but dsquant does not implement (tools, ...) are ignored, as vLLM does;
+/v1/completions implements `echo` and `logprobs`, chat `logprobs` / `top_logprobs` (logprobs.py).
+`ignore_eos`, `top_k`, `repetition_penalty` and `add_special_tokens` are vLLM extensions.
+
+vLLM's behaviour, followed here: /v1/completions takes one prompt or a list of them (strings or
+token-id lists); `n` completions per prompt come back as choices indexed prompt_i * n + j.
+`add_special_tokens` defaults to true for completions (a string prompt gets the tokenizer's BOS;
+dsquant adds none when the text already starts with the BOS token's text, so a prompt decoded
+from ids that held BOS, as lm-eval's `tokenized_requests=False` sends, is not given two) and to
+false for chat (the chat template writes BOS itself). presence/frequency_penalty are in [-2, 2],
+repetition_penalty > 0, logit_bias values in [-100, 100] keyed by token id.
 """
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dsquant.runtime.engine.sequence import SamplingParams
+from dsquant.runtime.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,  # noqa: F401
+                                              ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
+                                              ChatTokenLogprob, ChatTopLogprob, CompletionChoice, CompletionLogprobs,
+                                              CompletionResponse, Usage)
 
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1  # torch.Generator.manual_seed's range
 MAX_TEMPERATURE = 2.0  # OpenAI's API
 MAX_TOP_K = 2 ** 31 - 1  # the sampler's int32
+MAX_N = 128  # completions per prompt
+MAX_PROMPTS = 256  # prompts per /v1/completions request
+MAX_PENALTY, MAX_BIAS = 2.0, 100.0  # OpenAI's ranges for presence/frequency_penalty and logit_bias
 
 
 class StreamOptions(BaseModel):
@@ -43,6 +58,34 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v, info):
+        if not -MAX_PENALTY <= v <= MAX_PENALTY:
+            raise ValueError(f"{info.field_name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition(cls, v):
+        if not 0 < v <= 1e6:
+            raise ValueError(f"repetition_penalty must be > 0 (1: off), got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
+        return v
 
     @field_validator("max_tokens")
     @classmethod
@@ -82,8 +125,8 @@ class _SamplingRequest(BaseModel):
     @field_validator("n")
     @classmethod
     def _n(cls, v):
-        if v != 1:
-            raise ValueError(f"only n = 1 is supported, got {v}")
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {v}")
         return v
 
     @property
@@ -92,18 +135,22 @@ class _SamplingRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+                              top_k=self.top_k, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, logit_bias=bias)
 
 
 MAX_LOGPROBS = 20
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]  # a one-element batch is unwrapped
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt or a batch of them
     max_tokens: int | None = 16  # the OpenAI default for completions; 0 only with echo
     echo: bool = False
     logprobs: int | None = None
+    add_special_tokens: bool = True  # vLLM's default for completions: a string prompt gets BOS
 
     @field_validator("max_tokens")
     @classmethod
@@ -121,14 +168,20 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError(f"one prompt per request is supported, got {len(v)}")
-            v = v[0]
-        if not v:
-            raise ValueError("the prompt is empty")
+    def _prompts(cls, v):
+        batch = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}")
+        for i, one in enumerate(batch):
+            if not one:
+                raise ValueError("the prompt is empty" if len(batch) == 1 else f"prompt {i} is empty")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: each a string or a list of token ids."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]
 
     @model_validator(mode="after")
     def _no_stream_with_logprobs(self):  # max_tokens 0 without echo: the route says so, naming the param
@@ -162,6 +215,23 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_special_tokens: bool = False  # vLLM's default for chat: the template writes BOS itself
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v, info):
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
+        if v and not info.data.get("logprobs"):  # logprobs is declared first, so it is in info.data
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        params = super().sampling_params(max_tokens)
+        params.logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return params
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -192,78 +262,3 @@ def error_body(message: str, type_: str, code: int, param: str | None = None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-# ---------------------------------------------------------------- responses
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatResponseMessage
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None

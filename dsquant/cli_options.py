@@ -1,0 +1,139 @@
+"""Click options shared by the commands, spelled the way vLLM spells them.
+
+`device_option` is used by every command that runs a model; `engine_options` by `serve` and
+`generate`, whose commands take the values as keyword arguments and turn them into an
+EngineConfig with `engine_config`. Flag errors are DsquantErrors: `dsquant` prints one line and
+exits 2.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from dsquant.errors import DsquantError
+
+DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+          "float32": "float32", "float": "float32"}
+KV_CACHE_DTYPES_LATER = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_device(ctx, param, value: str | None) -> str | None:
+    """`--device cuda` on a machine without a usable GPU is a one-line error, not a torch traceback."""
+    if value == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise DsquantError("--device cuda: no CUDA device is available (use --device cpu)")
+    return value
+
+
+def device_option(help: str = "cuda or cpu. Default: cuda when available."):
+    return click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None, callback=check_device,
+                        help=help)
+
+
+def _check_kv_cache_dtype(ctx, param, value: str) -> str:
+    if value == "auto":
+        return value
+    if value in KV_CACHE_DTYPES_LATER:
+        raise DsquantError(f"--kv-cache-dtype {value}: not supported yet (the KV cache is kept in the model "
+                           "dtype); use --kv-cache-dtype auto")
+    raise DsquantError(f"--kv-cache-dtype {value}: expected auto ({', '.join(KV_CACHE_DTYPES_LATER)}: "
+                       "not supported yet)")
+
+
+def _check_tokenizer(ctx, param, value: str | None) -> str | None:
+    if value is not None and not (Path(value) / "tokenizer.json").is_file():
+        raise DsquantError(f"--tokenizer {value}: expected a directory holding tokenizer.json")
+    return value
+
+
+_ENGINE_OPTIONS = [
+    device_option(),
+    click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
+                 help="Dtype of activations and unquantized weights; auto: the checkpoint's."),
+    click.option("--max-model-len", default=None, type=click.IntRange(min=2),
+                 help="Longest prompt + output in tokens. Default: the model config's."),
+    click.option("-tp", "--tensor-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
+                 help="Processes to split the model over: one per GPU on cuda, gloo processes on cpu."),
+    click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+                 help="Launch each engine step before reading the previous one's tokens."),
+    click.option("--enforce-eager", is_flag=True, help="Run eagerly: no CUDA graphs."),
+    click.option("--seed", default=None, type=int,
+                 help="Seed of the engine's sampling generator (requests without a seed of their own). "
+                      "Default: 0."),
+    click.option("--max-num-batched-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
+                 help="Tokens one engine step may run (prefill chunks included)."),
+    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+                 help="Reuse the KV blocks of prompt prefixes seen before."),
+    click.option("--gpu-memory-utilization", default=0.9, show_default=True,
+                 type=click.FloatRange(0, 1, min_open=True),
+                 help="Fraction of GPU memory for weights, activations and the KV cache (cuda)."),
+    click.option("--kv-cache-dtype", default="auto", show_default=True, callback=_check_kv_cache_dtype,
+                 help="KV cache dtype; only auto (the model dtype) for now."),
+    click.option("--tokenizer", default=None, type=click.Path(file_okay=False, path_type=str),
+                 callback=_check_tokenizer,
+                 help="Directory with tokenizer.json (and tokenizer_config.json). Default: the model's."),
+    click.option("--chat-template", default=None,
+                 help="Jinja chat template: a file path or the template text. Default: the tokenizer's."),
+]
+ENGINE_KEYS = ("device", "dtype", "max_model_len", "tensor_parallel_size", "async_scheduling", "enforce_eager",
+               "seed", "max_num_batched_tokens", "enable_prefix_caching", "gpu_memory_utilization",
+               "kv_cache_dtype", "tokenizer", "chat_template")
+
+
+def engine_options(f):
+    """Adds the engine options (ENGINE_KEYS) to a command, in a fixed order in --help."""
+    for option in reversed(_ENGINE_OPTIONS):
+        f = option(f)
+    return f
+
+
+def pop_engine_options(kwargs: dict) -> dict:
+    """The engine options' values, removed from a command's kwargs."""
+    return {k: kwargs.pop(k) for k in ENGINE_KEYS}
+
+
+def engine_config(opts: dict, **extra):
+    """An EngineConfig from engine option values (pop_engine_options) plus EngineConfig fields."""
+    import torch
+
+    from dsquant.runtime.engine.llm_engine import EngineConfig
+
+    dtype = DTYPES[opts["dtype"]]
+    return EngineConfig(
+        device=opts["device"], dtype=getattr(torch, dtype) if dtype else None, max_model_len=opts["max_model_len"],
+        tensor_parallel_size=opts["tensor_parallel_size"], async_scheduling=opts["async_scheduling"],
+        enforce_eager=opts["enforce_eager"], seed=opts["seed"] if opts["seed"] is not None else 0,
+        max_num_batched_tokens=opts["max_num_batched_tokens"], enable_prefix_caching=opts["enable_prefix_caching"],
+        gpu_memory_utilization=opts["gpu_memory_utilization"], tokenizer=opts["tokenizer"], **extra)
+
+
+def chat_template(value: str | None, tokenizer_dir: str | Path):
+    """The ChatTemplate to use: `value` (a file path or inline Jinja text), else the tokenizer
+    directory's own (or None). Special tokens come from the tokenizer directory's config."""
+    from dsquant.runtime.server.chat_template import ChatTemplate, _token
+
+    if value is None:
+        return ChatTemplate.from_dir(tokenizer_dir)
+    path = Path(value)
+    looks_inline = "{" in value or "\n" in value
+    if not looks_inline:
+        if not path.is_file():
+            raise DsquantError(f"--chat-template {value}: no such file (give a template file or the template text)")
+        value, origin = path.read_text(encoding="utf-8"), f" in {path}"
+    else:
+        origin = " given by --chat-template"
+    config_file = Path(tokenizer_dir) / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        config = {}
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        return ChatTemplate(value, _token(config.get("bos_token")), _token(config.get("eos_token")), origin)
+    except TemplateSyntaxError as e:
+        raise DsquantError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
