@@ -215,3 +215,20 @@ def test_written_shards_get_a_plain_file_mode(tmp_path, umask):
         assert mode == 0o666 & ~umask == stat.S_IMODE((w.partial / "plain.txt").stat().st_mode)
     finally:
         os.umask(old)
+
+
+def test_random_checkpoint_shards_get_a_plain_file_mode(tmp_path):
+    """bench.random_model's BF16 checkpoints are read by other users' servers too."""
+    import json
+
+    from dsquant.assets import bundled_model_path
+    from dsquant.bench.random_model import write_random_checkpoint
+
+    cfg = json.loads((bundled_model_path("dsq-tiny-qwen2") / "config.json").read_text())
+    old = os.umask(0o022)
+    try:
+        out = write_random_checkpoint(tmp_path / "ckpt", cfg)
+    finally:
+        os.umask(old)
+    modes = {stat.S_IMODE(p.stat().st_mode) for p in out.glob("*.safetensors")}
+    assert modes == {0o644}, modes

@@ -188,6 +188,8 @@ def write_random_checkpoint(out_dir: str | Path, config: dict, device: str = "cp
     """Save the BF16 random model as safetensors, one shard per decoder layer, with an index."""
     from safetensors.torch import save_file
 
+    from dsquant.export.writer import _file_mode
+
     out = make_config_dir(out_dir, config, "bf16")
     reader = RandomCheckpointReader(out, device=device, seed=seed)
     groups: dict[str, list[str]] = {}
@@ -198,6 +200,7 @@ def write_random_checkpoint(out_dir: str | Path, config: dict, device: str = "cp
     for i, (layer, keys) in enumerate(sorted(groups.items())):
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file({k: reader.get(k).cpu().contiguous() for k in keys}, str(out / name), metadata={"format": "pt"})
+        _file_mode(out / name)  # safetensors writes 0600; give it config.json's mode
         weight_map.update({k: name for k in keys})
     index = {"metadata": {}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))

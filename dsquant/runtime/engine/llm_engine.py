@@ -11,7 +11,6 @@ and returns the previous step's outputs (async_step.py); the loop above sees eve
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from dsquant.errors import DsquantError
 from dsquant.models.layers import Backends
 from dsquant.runtime.engine.async_step import LaunchedStep, launch_step, must_drain
 from dsquant.runtime.engine.block_manager import BlockManager
+from dsquant.runtime.engine.checkpoint_files import eos_ids as _eos_ids, load_tokenizer  # noqa: F401 (re-exported)
 from dsquant.runtime.engine.detokenizer import IncrementalDetokenizer
 from dsquant.runtime.engine.model_runner import ModelRunner, RunnerConfig
 from dsquant.runtime.engine.scheduler import Scheduler, SchedulerConfig
@@ -69,32 +69,6 @@ class RequestOutput:
     # (logprob, {token id: logprob} of the top N)
     logprobs: list | None = None
     prompt_logprobs: list | None = None
-
-
-def _eos_ids(path: Path, cfg) -> set[int]:
-    ids: set[int] = set()
-    for source in (cfg.eos_token_id, _read_json(path / "generation_config.json").get("eos_token_id")):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list):
-            ids.update(i for i in source if isinstance(i, int))
-    return ids
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return {}
-
-
-def load_tokenizer(path: Path):
-    """tokenizers.Tokenizer from tokenizer.json, or None (prompts must then be token ids)."""
-    if not (path / "tokenizer.json").is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
 def build_runner(path: Path, c: EngineConfig, device: torch.device, reader=None, parallel=None,
