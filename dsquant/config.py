@@ -226,6 +226,17 @@ def _read_deepseek_fields(cfg: ModelConfig, raw: dict, where: str) -> None:
                               "moe_intermediate_size")
 
 
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path`; a ConfigError naming the file if it is not valid JSON or not an object."""
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return raw
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read `model_dir/config.json`; errors name the path and what was expected."""
     path = Path(model_dir)
@@ -236,12 +247,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ConfigError(f"{cfg_path}: missing; a checkpoint directory needs config.json")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{cfg_path}: expected a JSON object")
+    raw = read_json_object(cfg_path)
     cfg = config_from_dict(raw, str(cfg_path))
     from dsquant.quant_config import resolve
 

@@ -15,10 +15,10 @@ stores z itself. Marlin / BitBLAS / other repacked formats are refused.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsquant.config import read_json_object
 from dsquant.errors import ConfigError
 
 CONFIG_JSON = "config.json"
@@ -114,16 +114,6 @@ def normalize(raw: dict, source: str) -> dict:
     return out
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return raw
-
-
 def _key(q: dict, source: str) -> tuple:
     """What two configs must agree on."""
     method = str(q.get("quant_method", "")).lower()
@@ -143,7 +133,7 @@ def resolve(model_dir: str | Path, config_json: dict) -> tuple[dict | None, str 
         found.append((config_json["quantization_config"], CONFIG_JSON))
     for name in SIDE_FILES:
         if (root / name).is_file():
-            found.append((normalize(_read_json(root / name), name), name))
+            found.append((normalize(read_json_object(root / name), name), name))
     if not found:
         return None, None
     winner, source = found[0]
