@@ -65,6 +65,7 @@ def inspect(model_dir: str, as_json: bool) -> None:
             "quantization_config": summary.quantization,
             "quantization": summary.quantization_info(),
             "quantized_module_types": summary.quantized_types(),
+            "calibration": summary.calibration_info(),
         }
         click.echo(json.dumps(payload, indent=1))
     else:

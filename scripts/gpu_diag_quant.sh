@@ -19,7 +19,7 @@ du -sh "$W/v2lite8"
 cat > "$W/awq-v2lite.yaml" <<'Y'
 name: awq-w4g128
 default: {scheme: awq, bits: 4, group_size: 128}
-keep: [lm_head, "*.embed_tokens", "*.mlp.gate", "*norm", "model.layers.0.mlp.down_proj"]
+keep: [lm_head, "*.embed_tokens", "*.mlp.gate", "*norm"]  # layer 0 down_proj (K 10944): group 64 (on_indivisible)
 awq: {grid: 20, duo_scaling: true, clip: true, clip_grid: 20, max_shrink: 0.5}
 Y
 /usr/bin/time -v timeout "${QUANT_S:-330}" python3 -m dsquant quantize "$W/v2lite8" --recipe "$W/awq-v2lite.yaml" \

@@ -28,14 +28,15 @@ EXPECTED_FORMAT = {"awq-w4g128": "awq", "rtn-w4g128": "awq", "gptq-w4g128": "gpt
                    "fp8-block": "fp8", "mixed-fp8attn-w4experts": "compressed-tensors"}
 
 
-def write_tiny_v3(path, kv_lora_rank=128, v_head_dim=64, dead_expert=None):
+def write_tiny_v3(path, kv_lora_rank=128, v_head_dim=64, dead_expert=None, **overrides):
+    """overrides: other DeepseekV3Config fields (e.g. q_lora_rank, intermediate_size)."""
     torch.manual_seed(0)
-    cfg = transformers.DeepseekV3Config(
+    cfg = transformers.DeepseekV3Config(**{**dict(
         vocab_size=8192, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128,
         kv_lora_rank=kv_lora_rank, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=v_head_dim,
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-        first_k_dense_replace=1, max_position_embeddings=1024)
+        first_k_dense_replace=1, max_position_embeddings=1024), **overrides})
     model = transformers.DeepseekV3ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -192,7 +193,10 @@ def test_bad_recipe_fails_before_any_work(text, message, tiny_v3, tmp_path):
     assert not (tmp_path / "out.partial").exists()
 
 
-def test_group_size_not_dividing_in_features_names_the_module(tmp_path):
+def test_group_size_not_dividing_in_features_names_the_module_under_on_indivisible_error(tmp_path):
     model_dir = write_tiny_v3(tmp_path / "model", kv_lora_rank=96)  # kv_b_proj in_features 96
+    recipe = tmp_path / "strict.yaml"
+    recipe.write_text("default: {scheme: awq, group_size: 128}\non_indivisible: error\n")  # as before the key
     with pytest.raises(ConfigError, match=r"does not divide in_features 96 of model\.layers\.0\.self_attn\.kv_b_proj"):
-        quantize(model_dir, "awq-w4g128", tmp_path / "out")
+        quantize(model_dir, str(recipe), tmp_path / "out")
+    assert not (tmp_path / "out.partial").exists()

@@ -37,6 +37,18 @@ V2_LITE: dict = dict(
                   "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
     bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16")
 
+# DeepSeek-V3's config.json (61 layers, 671B parameters, 256 routed experts top-8 in 8 groups, 1 shared,
+# MLA with q LoRA); R1 has the same shapes. The calibration plan (scripts/calib_plan.py) times one layer.
+V3: dict = dict(
+    V2_LITE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
+    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+    routed_scaling_factor=2.5, q_lora_rank=1536, topk_method="noaux_tc", n_group=8, topk_group=4,
+    num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid",
+    rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                  "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    bos_token_id=0, eos_token_id=1)
+
 SCHEMES = ("bf16", "fp8", "int4")
 INT4_GROUP = 128
 QUANT_CONFIG = {
@@ -184,13 +196,15 @@ def bytes_per_decode_token(reader: RandomCheckpointReader, context: int) -> dict
             "total": int(other + active + kv)}
 
 
-def write_random_checkpoint(out_dir: str | Path, config: dict, device: str = "cpu", seed: int = 0) -> Path:
-    """Save the BF16 random model as safetensors, one shard per decoder layer, with an index."""
+def write_random_checkpoint(out_dir: str | Path, config: dict, device: str = "cpu", seed: int = 0,
+                            scheme: str = "bf16") -> Path:
+    """Save the random model as safetensors, one shard per decoder layer, with an index. scheme
+    "fp8" writes it as DeepSeek-V3 ships: e4m3 weights with 128 x 128 `weight_scale_inv` blocks."""
     from safetensors.torch import save_file
 
     from dsquant.export.writer import _file_mode
 
-    out = make_config_dir(out_dir, config, "bf16")
+    out = make_config_dir(out_dir, config, scheme)
     reader = RandomCheckpointReader(out, device=device, seed=seed)
     groups: dict[str, list[str]] = {}
     for key in reader.keys():

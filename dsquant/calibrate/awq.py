@@ -20,7 +20,8 @@ from dsquant.calibrate.recipe import AWQOptions, SchemeSpec
 
 @dataclass
 class Member:
-    """One Linear of a scaling group: its weight [N, K] fp32, scheme and captured inputs [T, K]."""
+    """One Linear of a scaling group: its weight [N, K] (the layer's dtype: bf16 on a GPU, read in
+    fp32 one member at a time), scheme and captured inputs [T, K] fp32."""
 
     name: str
     weight: torch.Tensor
@@ -34,7 +35,7 @@ def _w_mean(members: list[Member]) -> torch.Tensor:
     for m in members:
         n, k = m.weight.shape
         g = m.spec.group_size if m.spec.is_int else k
-        w = m.weight.abs().reshape(n, k // g, g)
+        w = m.weight.float().abs().reshape(n, k // g, g)
         w = w / w.amax(-1, keepdim=True).clamp(min=1e-8)
         parts.append(w.reshape(n, k))
     return torch.cat(parts).mean(0)
@@ -55,6 +56,11 @@ def candidate_scales(members: list[Member], opts: AWQOptions):
         yield (s / (s.max() * s.min()).sqrt()).clamp(min=1e-4)
 
 
+def _candidate(m: Member, s: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Q(W * s) / s [N, K] fp32: what scale s does to member m's weight."""
+    return fake_quant(m.weight.float() * s, m.spec, scale_dtype) / s
+
+
 def search_scales(members: list[Member], opts: AWQOptions, scale_dtype: torch.dtype,
                   block_loss=None) -> torch.Tensor:
     """Best per-input-channel scale s [K] for the group (ones if no member is an INT scheme).
@@ -67,15 +73,14 @@ def search_scales(members: list[Member], opts: AWQOptions, scale_dtype: torch.dt
     device = members[0].weight.device
     if not any(m.spec.is_int for m in members) or not any(m.x.numel() for m in members):
         return torch.ones(k, device=device)
-    refs = [m.x @ m.weight.t() for m in members]  # [T_m, N_m]
+    refs = [] if block_loss is not None else [m.x @ m.weight.float().t() for m in members]  # [T_m, N_m]
     total = sum(r.numel() for r in refs)
     best, best_loss = torch.ones(k, device=device), float("inf")
     for s in candidate_scales(members, opts):
-        quantized = {m.name: fake_quant(m.weight * s, m.spec, scale_dtype) / s for m in members}
-        if block_loss is not None:
-            loss = block_loss(quantized)
+        if block_loss is not None:  # the candidates in the layer's dtype, which block_loss runs in
+            loss = block_loss({m.name: _candidate(m, s, scale_dtype).to(m.weight.dtype) for m in members})
         else:
-            loss = sum(float((m.x @ quantized[m.name].t() - ref).pow(2).sum())
+            loss = sum(float((m.x @ _candidate(m, s, scale_dtype).t() - ref).pow(2).sum())
                        for m, ref in zip(members, refs) if m.x.numel()) / max(total, 1)
         if loss < best_loss:
             best, best_loss = s, loss
@@ -132,7 +137,7 @@ def search_scales_experts(groups: list[Member], opts: AWQOptions, scale_dtype: t
         x = torch.zeros(len(members), t_max, k, device=device)  # [E, T, K]
         for e, m in enumerate(members):
             x[e, :m.x.shape[0]] = m.x
-        w = torch.stack([m.weight for m in members])  # [E, N, K]
+        w = torch.stack([m.weight.float() for m in members])  # [E, N, K]
         ref = torch.bmm(x, w.transpose(1, 2))  # [E, T, N]
         counts = torch.tensor([m.x.shape[0] * n for m in members], device=device, dtype=torch.float32)
         best_loss = torch.full((len(members),), float("inf"), device=device)

@@ -20,7 +20,8 @@ from dsquant.models.moe import MoE
 @dataclass
 class Captured:
     rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # rows kept in `rows` (strided, capped)
+    seen: dict[str, int] = field(default_factory=dict)  # every input row the Linear saw (an expert: its tokens)
     hessians: dict[str, HessianAccumulator] = field(default_factory=dict)
     moe_inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
@@ -38,21 +39,45 @@ class LayerCapture:
         self.gptq_names = gptq_names
         self.data = Captured()
         self.handles = []
+        self.shared: dict[str, str] = {}  # GPTQ Linear -> the Linear whose Hessian (same input) it uses
+        self._recent: dict[str, torch.Tensor] = {}  # the last GPTQ Linears' inputs (the very objects)
 
     def _linear_hook(self, name: str):
         def hook(module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+            self.data.seen[name] = self.data.seen.get(name, 0) + x.shape[0]
             if name in self.gptq_names:
-                acc = self.data.hessians.get(name)
-                if acc is None:
-                    acc = self.data.hessians[name] = HessianAccumulator(x.shape[1], x.device)
-                acc.add(x)
+                self._hessian(name, args[0], x)
             have = self.data.counts.get(name, 0)
             if have < self.max_rows and x.shape[0]:
                 take = x[:: self.stride][: self.max_rows - have]
                 self.data.rows.setdefault(name, []).append(take.clone())
                 self.data.counts[name] = have + take.shape[0]
         return hook
+
+    def _hessian(self, name: str, source: torch.Tensor, x: torch.Tensor) -> None:
+        """Accumulate x [T, K] into name's Hessian. Linears fed the very same tensor (an MLP's gate
+        and up, MLA's q_a and kv_a) share one accumulator: a DeepSeek-V3 MoE layer then holds 256
+        expert Hessians of 7168^2 fp32 (52 GB) instead of 512."""
+        owner = self.shared.get(name)
+        if owner is None and name not in self.data.hessians:
+            owner = next((n for n, t in self._recent.items() if t is source), None)
+            if owner is not None:  # first call: fed what a recent Linear was fed
+                self.shared[name] = owner
+                self.data.hessians[name] = self.data.hessians[owner]
+        if owner is not None:
+            if self._recent.get(owner) is not source:
+                raise RuntimeError(f"{name}: its input was {owner}'s on the first batch but not now; "
+                                   "the shared Hessian would be wrong")
+            return
+        acc = self.data.hessians.get(name)
+        if acc is None:
+            acc = self.data.hessians[name] = HessianAccumulator(x.shape[1], x.device)
+        acc.add(x)
+        self._recent.pop(name, None)
+        self._recent[name] = source
+        while len(self._recent) > 4:  # the inputs of the last few Linears, kept alive until replaced
+            self._recent.pop(next(iter(self._recent)))
 
     def _moe_hook(self, name: str):
         def hook(module, args):
@@ -74,6 +99,7 @@ class LayerCapture:
     def __exit__(self, *exc) -> None:
         for h in self.handles:
             h.remove()
+        self._recent.clear()
 
 
 def expert_fallback(data: Captured, moe: MoE, moe_name: str, min_rows: int, gptq_names: set[str]) -> list[int]:
@@ -96,11 +122,14 @@ def expert_fallback(data: Captured, moe: MoE, moe_name: str, min_rows: int, gptq
             w_dtype = expert.gate_proj.weight.dtype
             xd = x.to(w_dtype)
             down_in = (F.silu(expert.gate_proj(xd)) * expert.up_proj(xd)).to(torch.float32)
+        shared = None  # gate and up see the same rows: one Hessian
         for proj, rows in (("gate_proj", x), ("up_proj", x), ("down_proj", down_in)):
             name = f"{base}.{proj}"
             data.rows[name], data.counts[name] = [rows], rows.shape[0]
             if name in gptq_names:
-                acc = HessianAccumulator(rows.shape[1], rows.device)
-                acc.add(rows)
-                data.hessians[name] = acc
+                if proj == "down_proj" or shared is None:
+                    acc = HessianAccumulator(rows.shape[1], rows.device)
+                    acc.add(rows)
+                    shared = acc
+                data.hessians[name] = shared
     return fell_back

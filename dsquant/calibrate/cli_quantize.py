@@ -18,7 +18,9 @@ ERROR_LEGEND = ("rel err: relative output error of each quantized module on its 
 
 
 def _summary(report) -> str:
-    """Error, time and memory per module type (layer/expert indices folded)."""
+    """Error, time and memory per module type (layer/expert indices folded); the modules that fell
+    back from their recipe scheme, per-layer expert coverage and its warnings (models/manifest.py)."""
+    from dsquant.models.manifest import manifest_report
     from dsquant.models.summary import human, module_type
 
     manifest = report.manifest
@@ -37,10 +39,8 @@ def _summary(report) -> str:
               f"{manifest['seconds_total']:.1f} s (slowest layer {max(secs, default=0):.1f} s)",
               f"peak memory: host {human(manifest['peak_host_bytes'], 'B')}, "
               f"device {human(manifest['peak_device_bytes'], 'B')}"]
-    fallback = {k: v["fallback_experts"] for k, v in manifest["layers"].items() if v["fallback_experts"]}
-    if fallback:
-        lines.append(f"experts calibrated on all tokens (router picked them too rarely): {fallback}")
-    return "\n".join(lines)
+    report_lines = manifest_report(manifest)  # shape fallbacks, expert coverage, its warnings
+    return "\n".join(lines + ([""] + report_lines if report_lines else []))
 
 
 def parse_size(value: str | int | None, flag: str = "--max-shard-size") -> int | None:

@@ -51,42 +51,62 @@ def _group_params(w: torch.Tensor, qmax: int, sym: bool, scale_dtype: torch.dtyp
 def gptq_quantize(weight: torch.Tensor, hessian: HessianAccumulator, spec: SchemeSpec,
                   opts: GPTQOptions, scale_dtype: torch.dtype) -> QuantizedWeight:
     """weight [N, K] fp32 -> QuantizedWeight with q, scales, zeros [N, K/G] and g_idx [K]."""
-    w = weight.clone().to(torch.float32)
-    n, k = w.shape
-    g, qmax, block = spec.group_size, 2 ** spec.bits - 1, opts.block_size
-    h = hessian.h.clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    perm = torch.argsort(torch.diag(h), descending=True) if opts.act_order else torch.arange(k, device=w.device)
-    w, h = w[:, perm], h[perm][:, perm]
-    h += opts.damp_percent * torch.mean(torch.diag(h)) * torch.eye(k, device=w.device)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    return gptq_quantize_batch(weight[None], hessian.h[None], spec, opts, scale_dtype)[0]
 
-    q = torch.zeros(n, k, dtype=torch.int32, device=w.device)
+
+def gptq_quantize_batch(weight: torch.Tensor, hessian: torch.Tensor, spec: SchemeSpec,
+                        opts: GPTQOptions, scale_dtype: torch.dtype) -> list[QuantizedWeight]:
+    """E Linears of one shape at once (a MoE layer's routed experts): weight [E, N, K] fp32 and
+    their Hessians [E, K, K] -> E QuantizedWeights. Each column step runs on all E together, so a
+    DeepSeek-V3 layer's 768 expert projections take 3 column loops instead of 768; every expert's
+    arithmetic is its own (its Hessian, its act-order permutation), as gptq_quantize one by one."""
+    w = weight.clone().to(torch.float32)
+    e_n, n, k = w.shape
+    g, qmax, block = spec.group_size, 2 ** spec.bits - 1, opts.block_size
+    dev = w.device
+    h = hessian.clone().to(torch.float32)  # [E, K, K]
+    dead = torch.diagonal(h, dim1=1, dim2=2) == 0  # [E, K]
+    torch.diagonal(h, dim1=1, dim2=2).masked_fill_(dead, 1)
+    w.masked_fill_(dead[:, None, :], 0)
+    if opts.act_order:
+        perm = torch.argsort(torch.diagonal(h, dim1=1, dim2=2), dim=1, descending=True)  # [E, K]
+    else:
+        perm = torch.arange(k, device=dev).expand(e_n, k)
+    w = torch.gather(w, 2, perm[:, None, :].expand(e_n, n, k))
+    h = torch.gather(torch.gather(h, 1, perm[:, :, None].expand(e_n, k, k)), 2, perm[:, None, :].expand(e_n, k, k))
+    damp = opts.damp_percent * torch.diagonal(h, dim1=1, dim2=2).mean(1)  # [E]
+    torch.diagonal(h, dim1=1, dim2=2).add_(damp[:, None])
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)  # [E, K, K]
+    del h
+
+    q = torch.zeros(e_n, n, k, dtype=torch.int32, device=dev)
     deq = torch.zeros_like(w)
-    scales = torch.zeros(n, k // g, device=w.device)
-    zeros = torch.zeros(n, k // g, dtype=torch.int32, device=w.device)
+    scales = torch.zeros(e_n, n, k // g, device=dev)
+    zeros = torch.zeros(e_n, n, k // g, dtype=torch.int32, device=dev)
     scale = zero = None
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
-        w1, hinv1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
+        w1, hinv1 = w[:, :, i1:i2].clone(), hinv[:, i1:i2, i1:i2]  # [E, N, B], [E, B, B]
         err1 = torch.zeros_like(w1)
         for i in range(i2 - i1):
             col = i1 + i
             if col % g == 0:  # group params on the updated weights of the group's columns
-                cols = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :g]
-                scale, zero = _group_params(cols, qmax, opts.sym, scale_dtype)
-                scales[:, col // g], zeros[:, col // g] = scale, zero.to(torch.int32)
-            c = w1[:, i]
+                cols = torch.cat([w1[:, :, i:], w[:, :, i2:]], dim=2)[:, :, :g]  # [E, N, G]
+                scale, zero = _group_params(cols.reshape(e_n * n, -1), qmax, opts.sym, scale_dtype)
+                scale, zero = scale.reshape(e_n, n), zero.reshape(e_n, n)
+                scales[:, :, col // g], zeros[:, :, col // g] = scale, zero.to(torch.int32)
+            c = w1[:, :, i]  # [E, N]
             code = torch.clamp(torch.round(c / scale) + zero, 0, qmax)
-            q[:, col] = code.to(torch.int32)
-            deq[:, col] = (code - zero) * scale
-            e = (c - deq[:, col]) / hinv1[i, i]
-            w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    inv = torch.argsort(perm)
-    g_idx = (torch.arange(k, device=w.device) // g)[inv].to(torch.int32)  # group of each channel
-    return QuantizedWeight(spec, deq[:, inv].contiguous(), q=q[:, inv].contiguous(),
-                           scales=scales.to(scale_dtype), zeros=zeros, g_idx=g_idx)
+            q[:, :, col] = code.to(torch.int32)
+            deq[:, :, col] = (code - zero) * scale
+            err = (c - deq[:, :, col]) / hinv1[:, i, i][:, None]  # [E, N]
+            w1[:, :, i:] -= err[:, :, None] * hinv1[:, i, i:][:, None, :]
+            err1[:, :, i] = err
+        w[:, :, i2:] -= torch.bmm(err1, hinv[:, i1:i2, i2:])
+    inv = torch.argsort(perm, dim=1)  # [E, K]
+    out = []
+    for e in range(e_n):
+        g_idx = (torch.arange(k, device=dev) // g)[inv[e]].to(torch.int32)  # group of each channel
+        out.append(QuantizedWeight(spec, deq[e][:, inv[e]].contiguous(), q=q[e][:, inv[e]].contiguous(),
+                                   scales=scales[e].to(scale_dtype), zeros=zeros[e], g_idx=g_idx))
+    return out

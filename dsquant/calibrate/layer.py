@@ -9,23 +9,27 @@
    Groups are scored on the decoder layer's output (AWQ's module-to-inspect), except an MoE
    expert's up -> down, scored on that expert's own down_proj output: the routed experts in
    batched GEMMs (awq.search_scales_experts).
-3. Quantize every Linear with its recipe scheme (AWQ/RTN grid, GPTQ, FP8 block, BF16).
+3. Quantize every Linear with its resolved scheme (the recipe's, or its shape fallback:
+   resolve.py) (AWQ/RTN grid, GPTQ, FP8 block, BF16).
 4. Write the dequantized weights back, so the next forward sees what inference will.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from dsquant.calibrate import awq
 from dsquant.calibrate.capture import LayerCapture, expert_fallback
-from dsquant.calibrate.gptq import gptq_quantize
+from dsquant.calibrate.gptq import gptq_quantize, gptq_quantize_batch
 from dsquant.calibrate.quantizers import QuantizedWeight, fp8_block, int_grid, relative_output_error
 from dsquant.calibrate.recipe import Recipe, SchemeSpec
+from dsquant.errors import ConfigError
 from dsquant.models.moe import MoE
 
+MIN_EXPERT_ROWS = 32  # an expert with fewer captured rows is calibrated on all the layer's tokens
+GPTQ_BATCH_BYTES = 6 << 30  # working set of one batch of experts' GPTQ
 NO_CLIP = ("q_proj", "k_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 
 
@@ -34,6 +38,7 @@ class LayerResult:
     weights: dict[str, QuantizedWeight]  # full module name -> quantized weight
     errors: dict[str, float]  # full module name -> relative output error
     fallback_experts: list[int]
+    expert_tokens: list[int] = field(default_factory=list)  # MoE: routed calibration tokens per expert
 
 
 def _linears(layer: nn.Module, prefix: str) -> dict[str, nn.Linear]:
@@ -111,26 +116,33 @@ def _layer_output_loss(layer, linears, hidden, ctx, recipe: Recipe, batch: int):
 
 
 def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, recipe: Recipe,
-                   scale_dtype: torch.dtype, batch: int = 8, progress=None) -> LayerResult:
+                   schemes: dict[str, SchemeSpec], scale_dtype: torch.dtype, batch: int = 8,
+                   progress=None) -> LayerResult:
     """Quantize `layer` in place (weights become their dequantized values).
 
+    schemes: full module name -> its resolved scheme (resolve.resolve_schemes), for every Linear
+    of the layer; `recipe` gives the AWQ / GPTQ options.
     progress(done, total, what): called after each AWQ scaling group's search and each module's
     quantization (an MoE layer has one per expert projection), so a long layer shows movement."""
     linears = _linears(layer, prefix)
-    specs: dict[str, SchemeSpec] = {n: recipe.scheme_for(n) for n in linears}
+    missing = [n for n in linears if n not in schemes]
+    if missing:
+        raise ConfigError(f"recipe {recipe.name}: no resolved scheme for {missing[0]} (resolve_schemes "
+                          "runs on the whole model before the first layer)")
+    specs: dict[str, SchemeSpec] = {n: schemes[n] for n in linears}
     gptq_names = {n for n, s in specs.items() if s.scheme == "gptq"}
     for n, s in specs.items():
         if s.is_int and linears[n].weight.shape[1] % s.group_size:
-            from dsquant.errors import ConfigError
             raise ConfigError(f"recipe {recipe.name}: group_size {s.group_size} does not divide "
                               f"in_features {linears[n].weight.shape[1]} of {n}")
     n_tokens = hidden.shape[0] * hidden.shape[1]
     stride = max(1, n_tokens // recipe.awq.max_tokens)
     with LayerCapture(layer, prefix, gptq_names, recipe.awq.max_tokens, stride) as data:
         _forward(layer, hidden, ctx, batch)
-    fallback = []
+    fallback, tokens = [], []
     if isinstance(layer.mlp, MoE):
-        fallback = expert_fallback(data, layer.mlp, f"{prefix}.mlp", 32, gptq_names)
+        tokens = [data.seen.get(f"{prefix}.mlp.experts.{e}.gate_proj", 0) for e in range(len(layer.mlp.experts))]
+        fallback = expert_fallback(data, layer.mlp, f"{prefix}.mlp", MIN_EXPERT_ROWS, gptq_names)
     inputs = {n: data.inputs(n).to(hidden.device) for n in linears}
 
     groups = scaling_groups(layer, prefix) if any(s.scheme == "awq" for s in specs.values()) else []
@@ -147,7 +159,9 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
         moe = isinstance(layer.mlp, MoE)
         routed: list = []  # MoE routed experts' up -> down groups: batched, each on its own output
         for producer, kind, names, passengers in groups:
-            members = [awq.Member(n, linears[n].weight.detach().float(), specs[n], inputs[n]) for n in names]
+            # the parameters themselves (no fp32 copy: a V3 MoE layer's 514 gate/up weights would take 30 GB);
+            # each Linear is in one group, and its weight changes only when that group is folded
+            members = [awq.Member(n, linears[n].weight.detach(), specs[n], inputs[n]) for n in names]
             if not any(m.spec.scheme == "awq" for m in members):
                 tick("awq scales")
                 continue
@@ -173,7 +187,23 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
             tick("awq scales (experts)", len(group))
 
     weights, errors = {}, {}
+
+    def finish(name: str, w: torch.Tensor, qw: QuantizedWeight) -> None:
+        errors[name] = relative_output_error(inputs[name], w, qw.dequantized)
+        with torch.no_grad():
+            linears[name].weight.copy_(qw.dequantized.to(linears[name].weight.dtype))
+        weights[name] = qw.compact()  # the layer holds the dequantized weight; export needs the codes
+        tick(name[len(prefix) + 1:])
+
+    for names in _expert_gptq_batches(linears, specs):  # routed experts' GPTQ, one shape at a time
+        w = torch.stack([linears[n].weight.detach().to(torch.float32) for n in names])  # [E, N, K]
+        h = torch.stack([data.hessians[n].h for n in names])  # [E, K, K]
+        for n, w_e, qw in zip(names, w, gptq_quantize_batch(w, h, specs[names[0]], recipe.gptq, scale_dtype)):
+            finish(n, w_e, qw)
+        del w, h
     for name, lin in linears.items():
+        if name in weights:
+            continue
         spec, w = specs[name], lin.weight.detach().to(torch.float32)
         if spec.scheme in ("awq", "rtn"):
             ratio = 1.0
@@ -186,12 +216,25 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
             qw = fp8_block(w, spec)
         else:
             qw = QuantizedWeight(spec, w)
-        errors[name] = relative_output_error(inputs[name], w, qw.dequantized)
-        weights[name] = qw
-        with torch.no_grad():
-            lin.weight.copy_(qw.dequantized.to(lin.weight.dtype))
-        tick(name[len(prefix) + 1:])
-    return LayerResult(weights, errors, fallback)
+        finish(name, w, qw)
+        del qw, w
+    return LayerResult({n: weights[n] for n in linears}, {n: errors[n] for n in linears}, fallback, tokens)
+
+
+def _expert_gptq_batches(linears: dict[str, nn.Linear], specs: dict[str, SchemeSpec]) -> list[list[str]]:
+    """Routed experts' GPTQ Linears in batches of one shape and spec, each batch's working set
+    (Hessians and their inverses [E, K, K], weights, codes and dequantized copies [E, N, K], fp32)
+    within GPTQ_BATCH_BYTES."""
+    by_kind: dict[tuple, list[str]] = {}
+    for n, s in specs.items():
+        if s.scheme == "gptq" and ".experts." in n:
+            by_kind.setdefault((tuple(linears[n].weight.shape), s), []).append(n)
+    batches = []
+    for ((n_out, k), _), names in by_kind.items():
+        per_expert = 4 * (3 * k * k + 4 * n_out * k)
+        size = max(1, GPTQ_BATCH_BYTES // per_expert)
+        batches += [names[i:i + size] for i in range(0, len(names), size)]
+    return batches
 
 
 def layer_forward(layer: nn.Module, hidden: torch.Tensor, ctx, batch: int = 8) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import resource
 import time
 from dataclasses import dataclass, field
@@ -19,10 +20,14 @@ import torch
 
 from dsquant.calibrate.layer import layer_forward, quantize_layer
 from dsquant.calibrate.recipe import Recipe, load_recipe
-from dsquant.errors import ConfigError, DsquantError
+from dsquant.calibrate.resolve import ResolvedSchemes, resolve_schemes
+from dsquant.errors import DsquantError
 from dsquant.export import codecs
 from dsquant.export.writer import ArtifactWriter
 from dsquant.models.loader import check_layer_headers, load_layer, open_model, release_layer
+from dsquant.models.manifest import coverage_warning, expert_coverage
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,16 +69,6 @@ def _peak_host_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _check_group_sizes(model, recipe: Recipe) -> None:
-    """Fail before any work if a group size does not divide a quantized Linear's in_features."""
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and name.startswith("model.layers."):
-            spec = recipe.scheme_for(name)
-            if spec.is_int and mod.in_features % spec.group_size:
-                raise ConfigError(f"{recipe.source}: group_size {spec.group_size} does not divide "
-                                  f"in_features {mod.in_features} of {name}")
-
-
 def _layer_tensors(layer, prefix: str, result, fmt: str) -> dict[str, torch.Tensor]:
     """Everything a decoder layer contributes to its shard, in the export format."""
     tensors = {}
@@ -99,8 +94,10 @@ def run_quantize(args: QuantizeArgs, progress=None, module_progress=None) -> Qua
     model, source = open_model(model_dir)
     cfg = model.config
     check_layer_headers(model, source)  # every layer against config.json before the first is quantized
-    _check_group_sizes(model, recipe)
-    fmt = codecs.choose_format(recipe, args.format)
+    resolved = resolve_schemes(model, recipe)  # every Linear's scheme from its shape (on_indivisible: error fails)
+    fmt = codecs.choose_format(recipe, args.format, resolved.int_groups())
+    if fmt in ("awq", "gptq"):
+        resolved = resolved.single_group(fmt)  # other groups stay BF16
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DsquantError("--device cuda: no CUDA device is available")
@@ -114,22 +111,26 @@ def run_quantize(args: QuantizeArgs, progress=None, module_progress=None) -> Qua
     samples = calibration_samples(tokenizer, args.n_samples, args.seqlen, args.seed, source=args.calib,
                                   column=args.calib_column, split=args.calib_split)
     data_hash = hashlib.sha256(samples.numpy().tobytes()).hexdigest()
-    run_key = {"model_dir": str(model_dir.resolve()), "recipe": recipe.to_dict(), "calib_sha256": data_hash,
+    recipe_key = recipe.to_dict()
+    if recipe.on_indivisible == "fallback":  # the default: keeps older partial runs resumable
+        del recipe_key["on_indivisible"]
+    run_key = {"model_dir": str(model_dir.resolve()), "recipe": recipe_key, "calib_sha256": data_hash,
                "n_samples": args.n_samples, "seqlen": args.seqlen, "seed": args.seed,
                "device": device.type}
     if args.format not in (None, "auto") or args.max_shard_bytes:  # keeps older partial runs resumable
         run_key.update(format=fmt, max_shard_bytes=args.max_shard_bytes)
     writer = ArtifactWriter(args.out_dir, cfg.num_hidden_layers, run_key, args.force, args.max_shard_bytes)
     try:
-        return _run_layers(args, model, source, recipe, fmt, device, compute_dtype, samples, data_hash, writer,
-                           progress, module_progress)
+        return _run_layers(args, model, source, recipe, resolved, fmt, device, compute_dtype, samples, data_hash,
+                           writer, progress, module_progress)
     except BaseException:
         writer.discard_if_empty()  # a run that saved no progress leaves no OUT.partial behind
         raise
 
 
-def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, fmt: str, device, compute_dtype, samples,
-                data_hash: str, writer: ArtifactWriter, progress, module_progress=None) -> QuantizeReport:
+def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, resolved: ResolvedSchemes, fmt: str, device,
+                compute_dtype, samples, data_hash: str, writer: ArtifactWriter, progress,
+                module_progress=None) -> QuantizeReport:
     """Calibrate and write every layer from the writer's resume point, then finalize the artifact."""
     cfg, model_dir, scale_dtype = model.config, Path(args.model_dir), codecs.scale_dtype_for(fmt)
     t0 = time.time()
@@ -149,14 +150,20 @@ def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, fmt: str, dev
         load_layer(model, source, i, device, compute_dtype)
         layer, prefix = model.model.layers[i], f"model.layers.{i}"
         inner = None if module_progress is None else (lambda d, t, what, i=i: module_progress(i, d, t, what))
-        result = quantize_layer(layer, prefix, hidden, ctx, recipe, scale_dtype, args.batch_size, progress=inner)
+        result = quantize_layer(layer, prefix, hidden, ctx, recipe, resolved.specs, scale_dtype, args.batch_size,
+                                progress=inner)
         hidden = layer_forward(layer, hidden, ctx, args.batch_size)
         writer.write_shard(i, _layer_tensors(layer, prefix, result, fmt),
                            reserve=hidden.numel() * hidden.element_size())
         stats = {"seconds": round(time.time() - t_layer, 3), "errors": result.errors,
                  "schemes": {n: [w.spec.scheme, w.spec.group_size] for n, w in result.weights.items()},
-                 "fallback_experts": result.fallback_experts, "peak_host_bytes": _peak_host_bytes(),
+                 "fallback_experts": result.fallback_experts,
+                 "expert_tokens": expert_coverage(result.expert_tokens, result.fallback_experts),
+                 "peak_host_bytes": _peak_host_bytes(),
                  "peak_device_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else 0}
+        warning = coverage_warning(str(i), stats["expert_tokens"])
+        if warning:
+            log.warning(warning)
         writer.save_progress(i + 1, hidden, stats)
         release_layer(model, i)
         del layer, result
@@ -172,7 +179,7 @@ def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, fmt: str, dev
     schemes = {n: tuple(s) for st in layers.values() for n, s in st["schemes"].items() if s[0] != "bf16"}
     kept = sorted({n for st in layers.values() for n, s in st["schemes"].items() if s[0] == "bf16"})
     config = dict(cfg.raw)
-    config["quantization_config"] = codecs.quantization_config(fmt, recipe, schemes, kept)
+    config["quantization_config"] = codecs.quantization_config(fmt, recipe, schemes, kept, set(resolved.fallbacks))
     config["torch_dtype"] = config["dtype"] = "bfloat16"
     config["dsquant"] = {"version": _versions()["dsquant"], "manifest": "dsquant.json"}  # serving insists on it
     errors = {n: e for st in layers.values() for n, e in st["errors"].items()}
@@ -186,7 +193,10 @@ def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, fmt: str, dev
         "resumed_from_layer": start,
         "peak_host_bytes": max([_peak_host_bytes()] + [st["peak_host_bytes"] for st in layers.values()]),
         "peak_device_bytes": max([0] + [st["peak_device_bytes"] for st in layers.values()]),
-        "layers": {k: {"seconds": v["seconds"], "fallback_experts": v["fallback_experts"]} for k, v in layers.items()},
+        "scheme_fallbacks": {n: f.to_dict() for n, f in sorted(resolved.fallbacks.items())},
+        "layers": {k: {"seconds": v["seconds"], "fallback_experts": v["fallback_experts"],
+                       **({"expert_tokens": v["expert_tokens"]} if v.get("expert_tokens") else {})}
+                   for k, v in layers.items()},
         "module_errors": errors, "versions": _versions(),
     }
     out = writer.finalize(config, manifest, model_dir)

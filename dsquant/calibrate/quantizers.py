@@ -6,7 +6,7 @@ first), so the sequential forward sees the same weights inference will.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,13 +20,22 @@ class QuantizedWeight:
     fp8_block fills fp8/scale_inv; bf16 keeps `dequantized` as the weight itself."""
 
     spec: SchemeSpec
-    dequantized: torch.Tensor  # [N, K] float32
-    q: torch.Tensor | None = None  # [N, K] int32 codes 0..15
+    dequantized: torch.Tensor | None  # [N, K] float32 (None once compact)
+    q: torch.Tensor | None = None  # [N, K] int32 codes 0..15 (uint8 once compact)
     scales: torch.Tensor | None = None  # [N, K/G] in the export scale dtype
     zeros: torch.Tensor | None = None  # [N, K/G] int32
     g_idx: torch.Tensor | None = None  # [K] int32 (GPTQ; a permutation's groups under act-order)
     fp8: torch.Tensor | None = None  # [N, K] float8_e4m3fn
     scale_inv: torch.Tensor | None = None  # [ceil(N/128), ceil(K/128)] fp32
+
+    def compact(self) -> QuantizedWeight:
+        """Only what export needs, as small as it goes: int codes as uint8 and no dequantized copy
+        (the calibrated layer holds it), a kept weight in bf16. A DeepSeek-V3 MoE layer's 11.3B
+        weights then take 1 byte each until written instead of 8 (int32 codes + fp32 copy)."""
+        if self.spec.scheme == "bf16":
+            return replace(self, dequantized=self.dequantized.to(torch.bfloat16))
+        q = None if self.q is None else self.q.to(torch.uint8)
+        return replace(self, dequantized=None, q=q)
 
 
 def int_grid(w: torch.Tensor, spec: SchemeSpec, scale_dtype: torch.dtype, symmetric: bool = False,

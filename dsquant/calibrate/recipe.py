@@ -6,6 +6,8 @@ default: {scheme: fp8_block}                 # every decoder-layer Linear not ma
 rules:                                       # first match wins (fnmatch on the full name)
   - {match: "*.mlp.experts.*", scheme: awq, bits: 4, group_size: 128}
 keep: [lm_head, "*.embed_tokens", "*.mlp.gate", "*norm"]   # stay BF16
+on_indivisible: fallback                     # group_size does not divide a Linear's in_features:
+                                             # fallback (group 64, else 32, else BF16) | keep | error
 awq: {grid: 20, duo_scaling: true, clip: true, clip_grid: 20, max_shrink: 0.5}
 gptq: {damp_percent: 0.01, block_size: 128, act_order: false, sym: true}
 ```
@@ -25,7 +27,9 @@ from dsquant.errors import ConfigError
 SCHEMES = ("awq", "gptq", "rtn", "fp8_block", "bf16")
 INT_SCHEMES = ("awq", "gptq", "rtn")
 GROUP_SIZES = (32, 64, 128)
-TOP_KEYS = {"name", "description", "default", "rules", "keep", "awq", "gptq"}
+TOP_KEYS = {"name", "description", "default", "rules", "keep", "on_indivisible", "awq", "gptq"}
+# what an INT rule does where its group_size does not divide a Linear's in_features (calibrate/resolve.py)
+ON_INDIVISIBLE = ("fallback", "keep", "error")
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class Recipe:
     awq: AWQOptions = field(default_factory=AWQOptions)
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
     source: str = ""
+    on_indivisible: str = "fallback"  # one of ON_INDIVISIBLE
 
     def scheme_for(self, module: str) -> SchemeSpec:
         """The scheme of a decoder-layer Linear named `module` (full checkpoint name)."""
@@ -86,7 +91,8 @@ class Recipe:
     def to_dict(self) -> dict:
         return {"name": self.name, "default": asdict(self.default),
                 "rules": [{"match": p, **asdict(s)} for p, s in self.rules],
-                "keep": list(self.keep), "awq": asdict(self.awq), "gptq": asdict(self.gptq)}
+                "keep": list(self.keep), "on_indivisible": self.on_indivisible,
+                "awq": asdict(self.awq), "gptq": asdict(self.gptq)}
 
 
 def _spec(raw, where: str) -> SchemeSpec:
@@ -142,9 +148,15 @@ def parse_recipe(raw: dict, where: str) -> Recipe:
     keep = raw.get("keep") or []
     if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
         raise ConfigError(f"{where}: keep must be a list of module-name patterns")
+    on_indivisible = raw.get("on_indivisible", "fallback")
+    if on_indivisible not in ON_INDIVISIBLE:
+        raise ConfigError(f"{where}: on_indivisible: {on_indivisible!r}; expected one of "
+                          f"{', '.join(ON_INDIVISIBLE)} (what an INT scheme does where its group_size "
+                          "does not divide a Linear's in_features)")
     recipe = Recipe(name=str(raw.get("name") or Path(where).stem), default=_spec(raw["default"], f"{where}: default"),
                     rules=rules, keep=keep, awq=_options(AWQOptions, raw.get("awq"), f"{where}: awq"),
-                    gptq=_options(GPTQOptions, raw.get("gptq"), f"{where}: gptq"), source=where)
+                    gptq=_options(GPTQOptions, raw.get("gptq"), f"{where}: gptq"), source=where,
+                    on_indivisible=on_indivisible)
     if not 0 < recipe.awq.max_shrink < 1:
         raise ConfigError(f"{where}: awq.max_shrink must be in (0, 1), found {recipe.awq.max_shrink}")
     if recipe.awq.grid < 1 or recipe.awq.clip_grid < 1:

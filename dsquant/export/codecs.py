@@ -6,6 +6,15 @@
 | gptq (v1)          | qweight [K/8, N], qzeros [K/G, N/8], scales, g_idx [K]      | vLLM, SGLang, HF     |
 | fp8 (DeepSeek-V3)  | weight e4m3 [N, K], weight_scale_inv fp32 [N/128, K/128]    | vLLM, SGLang, HF     |
 | compressed-tensors | pack-quantized: weight_packed [N, K/8], weight_scale [N, K/G], weight_zero_point [N/8, K/G], weight_shape; float-quantized: weight e4m3, weight_scale [N/128, K/128] | vLLM, SGLang, llm-compressor |
+
+Group sizes: AutoAWQ and GPTQ hold one group size for the whole model. When a recipe's group
+size does not divide some Linears' in_features and they fall back to group 64 or 32
+(calibrate/resolve.py), `--format auto` writes compressed-tensors, one config group per
+("int4", group size); an explicit `--format awq|gptq` keeps those modules BF16 instead and lists
+each by its full name in `modules_to_not_convert` (vLLM, SGLang and transformers skip a module
+when an entry is a substring of its full name, so a stripped `mlp.down_proj` would skip that
+type in every layer). Recipe-kept modules are listed without their `model.layers.N.` prefix
+where no quantized module shares that name.
 """
 from __future__ import annotations
 
@@ -22,9 +31,13 @@ from dsquant.errors import ConfigError
 EXPORT_DTYPE = torch.bfloat16
 
 
-def export_format(recipe: Recipe) -> str:
+def export_format(recipe: Recipe, groups: set[int] | None = None) -> str:
+    """The recipe's native format; `groups`: the INT group sizes its modules resolved to (default:
+    the recipe's own)."""
     used = recipe.schemes_used()
-    groups = {recipe.default.group_size} | {s.group_size for _, s in recipe.rules if s.is_int}
+    if groups is None:
+        groups = {recipe.default.group_size} | {s.group_size for _, s in recipe.rules if s.is_int}
+    groups = groups or {recipe.default.group_size}
     if used <= {"awq", "rtn"} and len(groups) == 1:
         return "awq"
     if used == {"gptq"} and len(groups) == 1:
@@ -37,16 +50,28 @@ def export_format(recipe: Recipe) -> str:
 FORMATS = ("auto", "awq", "gptq", "fp8", "compressed-tensors")
 
 
-def choose_format(recipe: Recipe, requested: str | None) -> str:
-    """The export format for `--format requested`: auto (or None) is the recipe's native format
-    (export_format); compressed-tensors takes any recipe (pack-quantized INT4, float-quantized FP8);
-    awq / gptq / fp8 only where they are the native format."""
-    native = export_format(recipe)
-    if requested in (None, "auto", native, "compressed-tensors"):
-        return native if requested in (None, "auto") else requested
+def choose_format(recipe: Recipe, requested: str | None, groups: set[int] | None = None) -> str:
+    """The export format for `--format requested`: auto (or None) is the native format of the
+    recipe with its resolved group sizes `groups` (export_format); compressed-tensors takes any
+    recipe (pack-quantized INT4, float-quantized FP8); awq / gptq / fp8 only where they are the
+    recipe's own format (modules resolved to another group are then kept BF16:
+    ResolvedSchemes.single_group). Act-order GPTQ needs g_idx, which only the gptq format
+    carries here: such a recipe stays gptq (shape fallbacks BF16) and never goes compressed-tensors."""
+    own, native = export_format(recipe), export_format(recipe, groups)
+    act_order = "gptq" in recipe.schemes_used() and recipe.gptq.act_order
+    if act_order and native == "compressed-tensors" and own == "gptq":
+        native = "gptq"
+    if act_order and (requested == "compressed-tensors" or (requested in (None, "auto") and native != "gptq")):
+        raise ConfigError(f"--format {requested or 'auto'}: recipe {recipe.name} uses act-order GPTQ "
+                          "(gptq.act_order: true), whose g_idx only the gptq format stores; use GPTQ alone "
+                          "with --format gptq, or act_order: false")
+    if requested in (None, "auto"):
+        return native
+    if requested in (native, own, "compressed-tensors"):
+        return requested
     if requested not in FORMATS:
         raise ConfigError(f"--format {requested}: expected one of {', '.join(FORMATS)}")
-    valid = ", ".join(dict.fromkeys(["auto", native, "compressed-tensors"]))
+    valid = ", ".join(dict.fromkeys(["auto", own, native, "compressed-tensors"]))
     raise ConfigError(f"--format {requested}: not available for recipe {recipe.name} "
                       f"({', '.join(sorted(recipe.schemes_used()))}); expected one of {valid}")
 
@@ -76,7 +101,7 @@ def linear_tensors(name: str, qw: QuantizedWeight, fmt: str) -> dict[str, torch.
                 f"{name}.qzeros": formats.pack_gptq_qzeros(qw.zeros.t()),
                 f"{name}.scales": qw.scales.t().contiguous(), f"{name}.g_idx": g_idx}
     # compressed-tensors pack-quantized: signed int4 codes q - 8 and zero points z - 8
-    return {f"{name}.weight_packed": pack_to_int32((qw.q - 8).to(torch.int8).cpu(), 4),
+    return {f"{name}.weight_packed": pack_to_int32((qw.q.to(torch.int8) - 8).cpu(), 4),
             f"{name}.weight_scale": qw.scales.contiguous(),
             f"{name}.weight_zero_point": pack_to_int32((qw.zeros - 8).to(torch.int8).cpu(), 4, packed_dim=0),
             f"{name}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
@@ -113,10 +138,31 @@ FP8_INPUTS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "gr
               "dynamic": True, "observer": None}
 
 
-def quantization_config(fmt: str, recipe: Recipe, schemes: dict[str, tuple[str, int]], kept: list[str]) -> dict:
-    """config.json's quantization_config; `schemes` maps quantized module -> (scheme, group)."""
+def not_convert_names(kept: list[str], quantized: list[str], full: set[str] | frozenset = frozenset()) \
+        -> list[str]:
+    """modules_to_not_convert: each kept module without its `model.layers.N.` prefix where that
+    stripped name is in no quantized module's name (readers match substrings) and the module is not
+    in `full` (shape fallbacks); else its full name."""
+    strip = lambda n: re.sub(r"^model\.layers\.\d+\.", "", n)  # noqa: E731
+    quantized_short = {strip(n) for n in quantized}
+    safe: dict[str, bool] = {}
+    out = set()
+    for n in kept:
+        short = strip(n)
+        if short not in safe:
+            safe[short] = not any(short in q for q in quantized_short)
+        out.add(short if safe[short] and n not in full else n)
+    return sorted(out)
+
+
+def quantization_config(fmt: str, recipe: Recipe, schemes: dict[str, tuple[str, int]], kept: list[str],
+                        fallbacks: set[str] | frozenset = frozenset()) -> dict:
+    """config.json's quantization_config; `schemes` maps quantized module -> (scheme, group);
+    `kept`: the BF16 decoder-layer Linears, of which `fallbacks` fell back from a shape (full names)."""
     groups = sorted({g for s, g in schemes.values() if s != "fp8_block"}) or [recipe.default.group_size]
-    not_convert = sorted({re.sub(r"^model\.layers\.\d+\.", "", n) for n in kept}) or None
+    if fmt in ("awq", "gptq") and len(groups) > 1:
+        raise ConfigError(f"--format {fmt}: holds one group size, the modules have {groups}")
+    not_convert = not_convert_names(kept, list(schemes), fallbacks) or None
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": groups[0], "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": not_convert}

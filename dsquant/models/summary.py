@@ -4,7 +4,9 @@ Used by `dsquant inspect`: architecture, layer mix, parameter count, and for eac
 (e.g. `self_attn.q_a_proj`, `mlp.experts.*.down_proj`) how many modules, their dtype and
 format (bf16, fp8-block, int4-awq, int4-gptq, compressed-tensors packed), and for quantized
 checkpoints the quantization_config (from config.json, or AutoAWQ's quant_config.json /
-AutoGPTQ's quantize_config.json), its parsed INT4 scheme and which module types it covers.
+AutoGPTQ's quantize_config.json), its parsed INT4 scheme and which module types it covers; for
+dsquant artifacts also what dsquant.json tells of calibration: modules that fell back from their
+recipe scheme, per-layer expert coverage and its warnings (manifest.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 from dsquant.config import ModelConfig, load_config
 from dsquant.models.causal_lm import CausalLM
 from dsquant.models.checkpoint import CheckpointReader
+from dsquant.models.manifest import coverage_warnings, manifest_report, read_manifest
 from dsquant.models.verify import verify_checkpoint
 from dsquant.quant_config import Int4Spec, int4_spec
 
@@ -47,6 +50,17 @@ class CheckpointSummary:
     tensors_checked: int = 0
     quantization_source: str | None = None  # config.json, quant_config.json or quantize_config.json
     int4: Int4Spec | None = None  # parsed AWQ / GPTQ config
+    manifest: dict | None = None  # dsquant.json of a dsquant artifact
+
+    def calibration_info(self) -> dict | None:
+        """Shape fallbacks, per-layer expert token counts and warnings from dsquant.json (for --json)."""
+        if not self.manifest:
+            return None
+        layers = self.manifest.get("layers") or {}
+        return {"scheme_fallbacks": self.manifest.get("scheme_fallbacks") or {},
+                "expert_tokens": {k: v["expert_tokens"] for k, v in layers.items() if v.get("expert_tokens")},
+                "fallback_experts": {k: v["fallback_experts"] for k, v in layers.items() if v.get("fallback_experts")},
+                "warnings": coverage_warnings(layers)}
 
     def quantization_info(self) -> dict | None:
         """Method, bits, group size, zero point, format version and source file (for --json)."""
@@ -120,7 +134,8 @@ def summarize(model_dir: str | Path) -> CheckpointSummary:
         disk_bytes=reader.total_bytes(), num_shards=len(set(reader.key_to_file.values())),
         dense_layers=n_layers - moe, moe_layers=moe, module_types=types, quantization=qcfg,
         tensors_checked=checked, quantization_source=cfg.quantization_source,
-        int4=int4_spec(qcfg, cfg.quantization_source or "config.json") if method in ("awq", "gptq") else None)
+        int4=int4_spec(qcfg, cfg.quantization_source or "config.json") if method in ("awq", "gptq") else None,
+        manifest=read_manifest(model_dir))
 
 
 def human(n: float, unit: str = "") -> str:
@@ -168,4 +183,7 @@ def render(s: CheckpointSummary) -> str:
         lines.append(f"  kept:      {', '.join(s.kept_types()) or 'none'}")
     else:
         lines += ["", "quantization none (dense checkpoint)"]
+    calibration = manifest_report(s.manifest) if s.manifest else []
+    if calibration:
+        lines += ["", *calibration]
     return "\n".join(lines)
