@@ -62,7 +62,8 @@ def quantize(src: Path, recipe: str, out: Path, args) -> dict:
     layers = {int(k): v["seconds"] for k, v in m["layers"].items()}
     row.update(layer_s=layers, seconds_total=m["seconds_total"], peak_device_gb=round(m["peak_device_bytes"] / 1e9, 2),
                peak_host_gb=round(m["peak_host_bytes"] / 1e9, 2), disk_bytes=_tree_bytes(out),
-               tensor_bytes=_tensor_bytes(out), fallback_experts=m["layers"][str(1)].get("fallback_experts"))
+               tensor_bytes=_tensor_bytes(out), fallback_experts=m["layers"]["1"].get("fallback_experts"),
+               expert_tokens=m["layers"]["1"].get("expert_tokens"), format=m.get("format"))
     # every byte on disk is the artifact's tensors, its JSON side files and the tokenizer: no BF16 copy
     row["non_tensor_bytes"] = row["disk_bytes"] - row["tensor_bytes"]
     dense_s, moe_s = layers[0], layers[1]
