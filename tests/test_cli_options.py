@@ -26,6 +26,7 @@ def run_main(capsys, args):
 @pytest.fixture
 def fake_engine(monkeypatch):
     import dsquant.runtime.engine.llm_engine as llm_engine
+    import dsquant.runtime.llm as llm  # before the patch, or it would import the fake as its LLMEngine
 
     seen = {}
 
@@ -34,6 +35,7 @@ def fake_engine(monkeypatch):
         raise DsquantError("loaded")
 
     monkeypatch.setattr(llm_engine, "LLMEngine", fake)
+    monkeypatch.setattr(llm, "LLMEngine", fake)  # generate's LLM
     return seen
 
 
@@ -52,6 +54,15 @@ def test_serve_flags_map_to_the_engine_config(fake_engine, capsys):
     assert fake_engine["path"].endswith("dsq-tiny-qwen2")
 
 
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("value, expected", [("fp8", "fp8"), ("fp8_e4m3", "fp8"), ("auto", "auto")])
+def test_kv_cache_dtype_reaches_the_engine_config(fake_engine, capsys, command, value, expected):
+    extra = ["--port", "0"] if command == "serve" else ["--prompt", "hi"]
+    code, _, err = run_main(capsys, [command, "dsq-tiny-qwen2", "--device", "cpu", *extra, "--kv-cache-dtype", value])
+    assert code == 2 and "loaded" in err, err
+    assert fake_engine["config"].kv_cache_dtype == expected
+
+
 def test_old_option_names_still_work(fake_engine, capsys):
     code, _, _ = run_main(capsys, ["serve", "dsq-tiny-qwen2", "--port", "0", "--device", "cpu",
                                    "--tensor-parallel-size", "2", "--dtype", "half"])
@@ -60,8 +71,8 @@ def test_old_option_names_still_work(fake_engine, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported yet"),
-    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype int8: expected auto"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype 'int8': expected auto (the model dtype) or fp8"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "dsquant's FP8 cache is e4m3"),
     (["--chat-template", "missing.jinja"], "--chat-template missing.jinja: no such file"),
     (["--chat-template", "{% if %}"], "--chat-template: not a valid Jinja template"),
     (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: expected a directory holding tokenizer.json"),

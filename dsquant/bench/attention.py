@@ -10,6 +10,8 @@ Rows (issue 10, item 7), all bf16, random inputs, pages scattered at random over
 - GQA prefill (causal, no context) vs SDPA is_causal on the same K/V: TFLOP/s.
 Times are medians of CUDA-graph replays (triton do_bench_cudagraph) with eager launches beside.
 --sweep also times a few alternative launch configs per row and reports the fastest.
+--kv-cache-dtype fp8 adds the FP8-cache rows (attention_fp8.py): each decode kernel over the FP8
+cache against itself over the bf16 cache.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import math
 from dataclasses import dataclass
 
 import click
+
+from dsquant.cli_options import kv_cache_dtype_option
 
 GQA_SHAPES = [(1, 32, 8, 32768, 128), (32, 32, 8, 4096, 128), (64, 32, 8, 8192, 128)]
 MLA_HEADS, MLA_BATCHES, MLA_LENS = (16, 128), (1, 32, 64), (4096, 32768)
@@ -228,7 +232,8 @@ def _print(rows) -> None:
               help="KV cache block size (tokens per block).")
 @click.option("--peer-gb", default=24.0, show_default=True, help="Largest expanded K/V (GB) built for the MLA peer.")
 @click.option("--sweep", is_flag=True, help="Also time alternative launch configs per row and report the fastest.")
-def attention(json_path, block_size, peer_gb, sweep) -> None:
+@kv_cache_dtype_option()
+def attention(json_path, block_size, peer_gb, sweep, kv_cache_dtype) -> None:
     """Paged GQA/MLA decode and GQA prefill vs F.scaled_dot_product_attention (CUDA GPU)."""
     import torch
 
@@ -250,6 +255,10 @@ def attention(json_path, block_size, peer_gb, sweep) -> None:
                 _print(rows[-1:])
                 torch.cuda.empty_cache()
     rows.append(_gqa_prefill(4, 32, 8, 4096, 128, block_size, sweep, gen))
+    if kv_cache_dtype == "fp8":
+        from dsquant.bench.attention_fp8 import fp8_rows
+
+        rows += fp8_rows(block_size, gen, lambda row: _print([row]))
     click.echo(f"\n{environment()}")
     _print(rows)
     write_json(json_path, rows, {"block_size": block_size})

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import click
 
-from dsquant.cli_options import check_device
+from dsquant.cli_options import check_device, kv_cache_dtype_option
 
 
 @dataclass
@@ -52,6 +52,7 @@ class EngineBenchSpec:
     seed: int = 0
     modes: tuple[str, ...] = ("sync", "async")  # engine stepping measured: "sync" and/or "async" scheduling
     config: dict = field(default_factory=dict)  # overrides of V2_LITE (tiny shapes for CPU tests)
+    kv_cache_dtype: str = "auto"  # "fp8": the FlashMLA-layout FP8 KV cache
 
 
 def _sync(device) -> None:
@@ -107,7 +108,7 @@ def build_engine(scheme: str, spec: EngineBenchSpec, workdir: Path, max_model_le
         device=spec.device, max_num_seqs=max(spec.concurrency, max(spec.serve_concurrencies, default=1)),
         max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=spec.gpu_memory_utilization, verify_checksums=False,
-        kv_cache_memory=1 << 30), reader=reader)
+        kv_cache_memory=1 << 30, kv_cache_dtype=spec.kv_cache_dtype), reader=reader)
     _sync(spec.device)
     return engine, reader, time.perf_counter() - start
 
@@ -124,7 +125,7 @@ def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit) -> Non
     vocab = min(engine.model.config.vocab_size, 32000)
     row = {"scheme": scheme, "load_s": load_s, "linear_methods": engine.model.linear_methods,
            "kv_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
-           "kv_bytes_per_block": engine.runner.bytes_per_block()}
+           "kv_bytes_per_block": engine.runner.bytes_per_block(), "kv_cache_dtype": engine.runner.kv_spec.label}
     if spec.device.startswith("cuda"):
         row["weights_gb"] = torch.cuda.memory_allocated() / 1e9
     roof = bytes_per_decode_token(reader, spec.input_len + spec.batch1_output // 2)
@@ -295,8 +296,9 @@ def _ints(text: str) -> tuple[int, ...]:
               help="cuda, or cpu for the tiny test configs (--config-json).")
 @click.option("--config-json", default=None, help="JSON object overriding V2-Lite's config (tiny test models).")
 @click.option("--json", "json_path", default=None, help="Write results here (updated as they come).")
+@kv_cache_dtype_option()
 def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_output, long_context, serve_conc,
-           peer_batches, modes, device, config_json, json_path):
+           peer_batches, modes, device, config_json, json_path, kv_cache_dtype):
     """Engine decode and throughput on a V2-Lite-shaped random model, BF16/FP8/INT4, beside transformers."""
     from dsquant.bench.random_model import SCHEMES
 
@@ -311,6 +313,6 @@ def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_ou
                            concurrency=concurrency, concurrent_output=concurrent_output, long_context=long_context,
                            serve_concurrencies=_ints(serve_conc), peer_batches=_ints(peer_batches),
                            modes=mode_names, device=device,
-                           config=json.loads(config_json) if config_json else {})
+                           config=json.loads(config_json) if config_json else {}, kv_cache_dtype=kv_cache_dtype)
     result = run_engine_bench(spec, json_path)
     click.echo(format_table(result))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dsquant.cli_options import device_option
+from dsquant.cli_options import device_option, kv_cache_dtype_option
 
 DEMO_RECIPES = ("awq-w4g128", "gptq-w4g128", "fp8-block", "mixed-fp8attn-w4experts")
 
@@ -59,9 +59,14 @@ def _finish(rows, paths) -> None:
                    "of the baseline and each artifact; bundled offline: dsq_prose_cloze, dsq_prose_choice, "
                    "dsq_prose_cloze_gen (tag dsquant). Needs pip install 'dsquant[lmeval]'.")
 @click.option("--lm-eval-limit", default=None, type=click.IntRange(min=1), help="Examples per lm-eval task.")
+@kv_cache_dtype_option()
 def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, window, stride,
-             max_eval_tokens, no_latency, no_peers, lm_eval, lm_eval_limit):
-    """Accuracy (perplexity, KL, top-1) against latency (TTFT, TPOT, tok/s) for each ARTIFACT."""
+             max_eval_tokens, no_latency, no_peers, lm_eval, lm_eval_limit, kv_cache_dtype):
+    """Accuracy (perplexity, KL, top-1) against latency (TTFT, TPOT, tok/s) for each ARTIFACT.
+
+    With --kv-cache-dtype fp8 the artifacts run with the FP8 KV cache (the baseline with the model
+    dtype's), and each artifact gets a second row, "NAME [KV fp8_e4m3 vs ...]": the same weights with
+    the FP8 cache against the model-dtype cache, i.e. what the FP8 cache alone costs."""
     from dsquant.validate.runner import ValidateArgs, run_validate, set_cpu_threads
 
     if lm_eval_limit is not None and lm_eval is None:
@@ -71,7 +76,7 @@ def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, w
         set_cpu_threads()
     args = ValidateArgs(list(artifacts), baseline, eval_set, max_ppl_increase, out_dir, device, window,
                         stride, max_eval_tokens, not no_latency, peers=not no_peers, lm_eval=lm_eval,
-                        lm_eval_limit=lm_eval_limit)
+                        lm_eval_limit=lm_eval_limit, kv_cache_dtype=kv_cache_dtype)
     _finish(*run_validate(args, log=lambda m: click.echo(m, err=True)))
 
 

@@ -98,9 +98,10 @@ _IgnoreTags.add_multi_constructor("!", lambda loader, suffix, node: None)
 class ServerProcess:
     """`dsquant serve PATH --port 0` as a subprocess; `with ServerProcess(...) as url:` stops it on exit."""
 
-    def __init__(self, path: str, name: str, device: str, log_path: Path):
+    def __init__(self, path: str, name: str, device: str, log_path: Path, kv_cache_dtype: str = "auto"):
         self.cmd = [sys.executable, "-m", "dsquant", "serve", path, "--port", "0", "--device", device,
-                    "--served-model-name", name, "--max-num-seqs", "8", "--shutdown-timeout", "5"]
+                    "--served-model-name", name, "--max-num-seqs", "8", "--shutdown-timeout", "5",
+                    "--kv-cache-dtype", kv_cache_dtype]
         self.log_path, self.proc = log_path, None
 
     def __enter__(self) -> str:
@@ -195,10 +196,11 @@ def scores(results: dict) -> dict[str, list[dict]]:
 
 
 def run_lm_eval(path: str, name: str, device: str, spec: LmEvalSpec, out_dir: Path,
-                log=print) -> dict[str, list[dict]]:
-    """Serve one checkpoint, run the tasks, stop the server (also on error)."""
+                log=print, kv_cache_dtype: str = "auto") -> dict[str, list[dict]]:
+    """Serve one checkpoint (with its --kv-cache-dtype), run the tasks, stop the server (also on error)."""
     log(f"lm-eval: {name} ({', '.join(spec.tasks)})")
-    with ServerProcess(path, name, device, out_dir / "lm_eval" / f"serve-{_safe(name)}.log") as url:
+    log_path = out_dir / "lm_eval" / f"serve-{_safe(name)}.log"
+    with ServerProcess(path, name, device, log_path, kv_cache_dtype) as url:
         return evaluate(url, name, path, spec)  # the checkpoint's own tokenizer files
 
 

@@ -72,11 +72,12 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
 
 
 def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtype | None = None,
-                    max_num_seqs: int = 64) -> LatencyResult:
+                    max_num_seqs: int = 64, kv_cache_dtype: str = "auto") -> LatencyResult:
     longest = max(spec.ttft_input + 1, spec.throughput_input + spec.throughput_output, spec.tpot_output + 9)
     engine = LLMEngine(path, EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                           max_model_len=longest + 16, enable_prefix_caching=False,
-                                          max_num_batched_tokens=max(2048, spec.ttft_input)))
+                                          max_num_batched_tokens=max(2048, spec.ttft_input),
+                                          kv_cache_dtype=kv_cache_dtype))
     vocab = engine.model.config.vocab_size
     _run(engine, _prompts(1, 8, vocab, 99), 2)  # warm-up: compile, graphs, allocator
     ttfts, tpots = [], []

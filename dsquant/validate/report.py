@@ -28,6 +28,8 @@ class ArtifactRow:
     failed_gate: bool = False
     notes: list[str] = field(default_factory=list)
     lm_eval: dict = field(default_factory=dict)  # task -> [{metric, value, stderr}]
+    kv_cache_dtype: str = "auto"  # the KV cache the row ran with (--kv-cache-dtype)
+    compared_to: str | None = None  # None: the baseline; else what KL / top-1 / ppl +% are measured against
 
 
 def throughput(row: ArtifactRow) -> float | None:
@@ -108,6 +110,9 @@ def _fmt_score(m: dict | None) -> str:
 def _markdown(rows: list[ArtifactRow], sets: list[str], meta: dict) -> str:
     out = [f"# dsquant validate report", "",
            f"Baseline `{meta['baseline']}`; device {meta['device_label']}; {meta['date']}.", "",
+           f"KV cache of the artifacts: {meta.get('kv_cache_dtype', 'auto')} (the baseline's: its model dtype)."
+           + (" A row `NAME [KV ... vs ...]` is the artifact against itself with the model-dtype cache: what the "
+              "cache alone costs." if any(r.compared_to for r in rows) else ""), "",
            "## Accuracy (95% intervals over windows)", "",
            "| artifact | set | perplexity | KL mean | KL p99 | top-1 agreement |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:

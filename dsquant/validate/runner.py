@@ -11,6 +11,8 @@ import torch
 
 from dsquant.errors import DsquantError
 from dsquant.models.layers import Backends
+from dsquant.runtime.layers.kv_cache import KVCacheSpec
+from dsquant.runtime.layers.kv_roundtrip import KVCacheRoundTrip, KVCacheSwitch
 from dsquant.validate.accuracy import compare
 from dsquant.validate.latency import LatencySpec, measure_latency
 from dsquant.validate.peers import PEERS, bitsandbytes_available, load_peer
@@ -35,20 +37,26 @@ class ValidateArgs:
     peers: bool = True  # bitsandbytes NF4 / INT8 on the baseline, when installed
     lm_eval: str | None = None  # lm-eval tasks (names, paths), run against `dsquant serve` of each checkpoint
     lm_eval_limit: int | None = None  # examples per lm-eval task
+    kv_cache_dtype: str = "auto"  # the artifacts' KV cache (the baseline keeps the model dtype's); with fp8,
+    # each artifact also gets a row against itself with the model-dtype cache: what the FP8 cache costs
 
 
-def _runtime_model(path: str, device: str):
-    """The model as the server builds it (quantized methods; fused MoE on CUDA), eager attention."""
+def _dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def _runtime_model(path: str, device: str, attention=None):
+    """The model as the server builds it (quantized methods; fused MoE on CUDA), full-sequence
+    attention: eager, or `attention` (a KVCacheRoundTrip, for the KV cache's numerics)."""
     from dsquant.runtime.loader import load_runtime_model
 
-    backends, prepare = Backends(), None
+    backends, prepare = Backends(attention=attention), None
     if device == "cuda":
         from dsquant.runtime.layers.moe import FusedMoE
 
         moe = FusedMoE()
-        backends, prepare = Backends(moe=moe), moe.prepare
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return load_runtime_model(path, backends, dtype=dtype, device=device, prepare_layer=prepare)
+        backends, prepare = Backends(attention=attention, moe=moe), moe.prepare
+    return load_runtime_model(path, backends, dtype=_dtype(device), device=device, prepare_layer=prepare)
 
 
 def _method(path: str) -> str:
@@ -100,17 +108,23 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
     base_model = _runtime_model(baseline, args.device)
     rows: list[ArtifactRow] = []
     base_acc = {}
+    kv_spec = KVCacheSpec(args.kv_cache_dtype, _dtype(args.device))
     for name, path in zip(names, paths):
-        log(f"accuracy: {name}")
-        model = _runtime_model(path, args.device)
+        log(f"accuracy: {name}" + (f" (KV cache {kv_spec.label})" if kv_spec.fp8 else ""))
+        backend = KVCacheRoundTrip(kv_spec)
+        model = _runtime_model(path, args.device, backend)
         acc = {}
         for s, tokens in streams.items():
             base, res = compare(base_model, {name: model}, tokens, s, window, stride, args.device)
             base_acc[s], acc[s] = base, res[name]
-        del model
         inc = sum(acc[s].perplexity.value / base_acc[s].perplexity.value - 1 for s in sets) / len(sets) * 100
-        rows.append(ArtifactRow(name, path, _method(path), _disk_bytes(path),
-                                {s: asdict(a) for s, a in acc.items()}, None, inc))
+        method = _method(path) + (f", KV {kv_spec.label}" if kv_spec.fp8 else "")
+        rows.append(ArtifactRow(name, path, method, _disk_bytes(path), {s: asdict(a) for s, a in acc.items()}, None,
+                                inc, kv_cache_dtype=kv_spec.kv_cache_dtype))
+        if kv_spec.fp8:
+            log(f"accuracy: {name}, KV cache {kv_spec.label} against {KVCacheSpec('auto', kv_spec.dtype).label}")
+            rows.append(_kv_cost_row(name, path, model, backend, kv_spec, streams, window, stride, args.device))
+        del model
     if args.peers:
         rows += _peer_rows(args, baseline, base_model, streams, window, stride, base_acc, log)
     del base_model
@@ -118,27 +132,46 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
                                {s: asdict(a) for s, a in base_acc.items()}, None, 0.0))
     if args.latency:
         for row in rows:
-            if row.method.startswith("bitsandbytes"):
+            if row.method.startswith("bitsandbytes") or row.compared_to is not None:
                 continue
             log(f"latency: {row.name}")
-            dtype = torch.bfloat16 if args.device == "cuda" else torch.float32  # one dtype for all rows
-            row.latency = asdict(measure_latency(row.path, args.device, spec, dtype=dtype))
+            row.latency = asdict(measure_latency(row.path, args.device, spec, dtype=_dtype(args.device),
+                                                 kv_cache_dtype=row.kv_cache_dtype))  # one dtype for all rows
     if lm_spec is not None:
         _lm_eval_rows(rows, args, lm_spec, log)
     for row in rows[1:]:
+        if row.compared_to is not None:  # the KV-cache cost rows: not a gate against the baseline
+            continue
         if args.max_ppl_increase is not None and row.ppl_increase_pct > args.max_ppl_increase:
             row.failed_gate = True
             row.notes.append(f"perplexity increase {row.ppl_increase_pct:.2f}% exceeds "
                              f"--max-ppl-increase {args.max_ppl_increase}%")
     meta = {"baseline": baseline, "device": args.device, "device_label": device_label,
             "date": date.today().isoformat(), "window": window, "stride": stride,
-            "spec": asdict(spec), "torch": torch.__version__,
+            "spec": asdict(spec), "torch": torch.__version__, "kv_cache_dtype": kv_spec.label,
             "notes": [] if (bitsandbytes_available() or not args.peers)
             else ["bitsandbytes not installed: its NF4/INT8 peers were not run"]}
     if lm_spec is not None:
         meta["lm_eval"] = {"version": lm_version, "tasks": lm_spec.tasks, "limit": lm_spec.limit,
                            "model": "local-completions over dsquant serve"}
     return rows, write_report(rows, sets, meta, Path(args.out_dir))
+
+
+def _kv_cost_row(name, path, model, backend, kv_spec, streams, window, stride, device) -> ArtifactRow:
+    """The artifact with the FP8 cache against itself with the model-dtype cache (KL, top-1, ppl +%)."""
+    auto = KVCacheSpec("auto", kv_spec.dtype)
+    ref, fp8 = KVCacheSwitch(model, backend, auto), KVCacheSwitch(model, backend, kv_spec)
+    ref_acc, acc = {}, {}
+    for s, tokens in streams.items():
+        ref_acc[s], res = compare(ref, {name: fp8}, tokens, s, window, stride, device)
+        acc[s] = res[name]
+    inc = sum(acc[s].perplexity.value / ref_acc[s].perplexity.value - 1 for s in acc) / len(acc) * 100
+    row = ArtifactRow(f"{name} [KV {kv_spec.label} vs {auto.label}]", path, f"KV cache {kv_spec.label}", 0,
+                      {s: asdict(a) for s, a in acc.items()}, None, inc, kv_cache_dtype=kv_spec.kv_cache_dtype,
+                      compared_to=f"{name} with the {auto.label} KV cache")
+    row.notes.append(f"KL, top-1 and ppl +% of the {kv_spec.label} KV cache against the {auto.label} cache, "
+                     "same weights")
+    return row
 
 
 def _peer_rows(args, baseline, base_model, streams, window, stride, base_acc, log) -> list[ArtifactRow]:
@@ -172,10 +205,11 @@ def _lm_eval_rows(rows: list[ArtifactRow], args: ValidateArgs, spec, log) -> Non
     if args.device == "cuda":
         torch.cuda.empty_cache()  # the servers size their KV caches from the free GPU memory
     for row in rows:
-        if row.method.startswith("bitsandbytes"):
+        if row.method.startswith("bitsandbytes") or row.compared_to is not None:
             continue
         try:
-            row.lm_eval = run_lm_eval(row.path, row.name, args.device, spec, Path(args.out_dir), log)
+            row.lm_eval = run_lm_eval(row.path, row.name, args.device, spec, Path(args.out_dir), log,
+                                      kv_cache_dtype=row.kv_cache_dtype)
         except Exception as e:  # hours of accuracy work must still reach the report
             row.notes.append(f"lm-eval failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
 

@@ -11,8 +11,9 @@ and returns the previous step's outputs (async_step.py); the loop above sees eve
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +27,9 @@ from dsquant.runtime.engine.detokenizer import IncrementalDetokenizer
 from dsquant.runtime.engine.model_runner import ModelRunner, RunnerConfig
 from dsquant.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from dsquant.runtime.engine.sequence import SamplingParams, Sequence
+from dsquant.runtime.layers.kv_cache import check_kv_cache_dtype
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,6 +53,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # processes, one per GPU (gloo processes on CPU); runtime/parallel
     kernels: bool | None = None  # Triton attention, fused MoE and quantized GEMMs; None: on CUDA (False: pure torch
     # everywhere, the reference path; True on CPU runs attention/MoE under TRITON_INTERPRET=1)
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8": e4m3 with per-token scales (layers/kv_cache.py)
     async_scheduling: bool = True  # launch step N + 1 before reading step N's tokens (async_step.py);
     # off under tensor parallelism. H200, V2-Lite shape: batch-1 decode +8-12%, 64 concurrent +14-18%
 
@@ -110,13 +115,15 @@ def build_runner(path: Path, c: EngineConfig, device: torch.device, reader=None,
     return runner_cls(model, attention, RunnerConfig(
         device=device, dtype=dtype, block_size=c.block_size, max_model_len=max_model_len,
         max_num_batched_tokens=c.max_num_batched_tokens, enforce_eager=c.enforce_eager,
-        cuda_graph_max_batch=min(c.cuda_graph_max_batch, c.max_num_seqs)), seed=c.seed)
+        cuda_graph_max_batch=min(c.cuda_graph_max_batch, c.max_num_seqs), kv_cache_dtype=c.kv_cache_dtype),
+        seed=c.seed)
 
 
 class LLMEngine:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, reader=None):
         """`reader`: a CheckpointReader stand-in for `model_path`'s weights (bench.random_model)."""
-        self.config = c = config or EngineConfig()
+        c = config or EngineConfig()
+        self.config = c = replace(c, kv_cache_dtype=check_kv_cache_dtype(c.kv_cache_dtype))
         self.path = Path(model_path)
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.workers = None  # runtime.parallel.launch.Workers when tensor_parallel_size > 1
@@ -158,6 +165,9 @@ class LLMEngine:
             # never more than every running sequence at full length could use
             num_blocks = min(num_blocks, c.max_num_seqs * -(-max_model_len // c.block_size) + 1)
         self.runner.allocate_kv_cache(num_blocks)
+        spec, per_block = self.runner.kv_spec, self.runner.bytes_per_block()
+        log.info("KV cache: %s, %d blocks x %d = %d tokens, %d bytes per token (%.2f GiB)", spec.label, num_blocks,
+                 c.block_size, num_blocks * c.block_size, per_block // c.block_size, num_blocks * per_block / 2**30)
         self.runner.capture_cuda_graphs()
         return num_blocks
 
@@ -276,4 +286,5 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": bm.usage(), "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
                 "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions, "kv_cache_dtype": self.runner.kv_spec.label,
+                "kv_cache_tokens": bm.num_blocks * bm.block_size}

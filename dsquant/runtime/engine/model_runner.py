@@ -24,7 +24,8 @@ from dsquant.runtime.engine.packed_copy import PackedCopy
 from dsquant.runtime.engine.penalties import PenaltyTensors
 from dsquant.runtime.engine.sampler import SamplingTensors, sample
 from dsquant.runtime.engine.scheduler import ScheduledBatch
-from dsquant.runtime.layers.attention import PagedContext, allocate_kv_caches, kv_bytes_per_block
+from dsquant.runtime.layers.attention import PagedContext
+from dsquant.runtime.layers.kv_cache import KVCacheSpec, allocate_kv_caches, kv_bytes_per_block
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048
     enforce_eager: bool = True
     cuda_graph_max_batch: int = 64
+    kv_cache_dtype: str = "auto"  # "auto" (dtype) or "fp8" (layers/kv_cache.py)
 
 
 @dataclass
@@ -66,13 +68,18 @@ class ModelRunner:
         self.readback = TokenReadback(config.device)  # sampled tokens -> host, without a stream sync
 
     # ------------------------------------------------------------------ KV cache
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.config.kv_cache_dtype, self.config.dtype)
+
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.cfg, self.config.block_size, self.config.dtype)
+        """The KV cache's real bytes per block (all layers), which size the cache."""
+        return kv_bytes_per_block(self.cfg, self.config.block_size, self.kv_spec)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.cfg, num_blocks, self.config.block_size,
-                                            self.config.dtype, self.config.device)
-        self.attention.bind(self.model, self.kv_caches)
+        self.kv_caches = allocate_kv_caches(self.cfg, self.kv_spec, num_blocks, self.config.block_size,
+                                            self.config.device)
+        self.attention.bind(self.model, self.kv_caches, self.kv_spec)
         self.num_blocks = num_blocks
 
     @torch.inference_mode()
@@ -92,7 +99,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         self.kv_caches = []
-        self.attention.bind(self.model, [])
+        self.attention.bind(self.model, [], self.kv_spec)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         current = torch.cuda.memory_allocated()

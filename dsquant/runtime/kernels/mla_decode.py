@@ -11,6 +11,10 @@ Layouts
   rope key, written by kv_store.store_latent); R and P powers of two (DeepSeek: 512 and 64).
 - block_table [B, max_blocks] int32, seq_lens [B] int32 (0 gives zeros).
 - out [B, H, R] in q_nope's dtype: the attention output in latent space.
+- FP8 cache (--kv-cache-dtype fp8): kv_cache is uint8 [num_blocks, block_size, R + 4R/128 + 2P],
+  FlashMLA's token layout (kv_fp8_layout.py): e4m3 latent, one fp32 scale per 128 latent values,
+  rope key in bf16 (fp16 for an fp16 model). Each latent tile is dequantized in registers to
+  q_nope's dtype (q * scale, rounded once) before both dots.
 - scale: the softmax scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times YaRN's mscale^2
   when the config has rope_scaling (the caller computes it; it enters only here).
 
@@ -31,6 +35,7 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
+from dsquant.runtime.kernels.kv_fp8_layout import MLA_GROUP, fp8_rope_dtype, mla_fp8_token_bytes, mla_fp8_views
 from dsquant.runtime.kernels.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
 
 LOG2E = 1.4426950408889634
@@ -50,13 +55,16 @@ class MLADecodeConfig:
 def _mla_decode_kernel(
     qn_ptr, stride_qnb, stride_qnh,  # q_nope [B, H, R]
     qp_ptr, stride_qpb, stride_qph,  # q_pe [B, H, P]
-    cache_ptr, stride_cblk, stride_ctok,  # kv_cache [num_blocks, block_size, R + P]
+    lat_ptr, stride_lblk, stride_ltok,  # latent [num_blocks, block_size, R] (a view of kv_cache)
+    pe_ptr, stride_pblk, stride_ptok,  # rope key [num_blocks, block_size, P] (a view of kv_cache)
+    sc_ptr, stride_sblk, stride_stok,  # FP8: scales [num_blocks, block_size, R / GROUP] fp32
     block_table_ptr, stride_bt, seq_lens_ptr,  # [B, max_blocks] int32, [B] int32
     out_ptr, stride_ob, stride_oh,  # out [B, H, R] (not IS_SPLIT)
     part_out_ptr, part_lse_ptr,  # [B, H, S, R], [B, H, S] float32 (IS_SPLIT)
     scale_log2, num_splits, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -81,9 +89,21 @@ def _mla_decode_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
         blk = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        row = blk * stride_cblk + (n % BLOCK_SIZE) * stride_ctok  # [BLOCK_N]
-        latent = tl.load(cache_ptr + row[:, None] + r[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, R]
-        k_pe = tl.load(cache_ptr + row[:, None] + RANK + p[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, P]
+        tok = n % BLOCK_SIZE
+        row = blk * stride_lblk + tok * stride_ltok  # [BLOCK_N]
+        latent = tl.load(lat_ptr + row[:, None] + r[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, R]
+        pe_row = blk * stride_pblk + tok * stride_ptok
+        k_pe = tl.load(pe_ptr + pe_row[:, None] + p[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, P]
+        if KV_FP8:
+            s_row = blk * stride_sblk + tok * stride_stok
+            if GROUPS == 1:
+                sc = tl.load(sc_ptr + s_row, mask=nmask, other=0.0)[:, None]  # [BLOCK_N, 1]
+            else:
+                sc = tl.load(sc_ptr + s_row[:, None] + tl.arange(0, GROUPS)[None, :], mask=nmask[:, None],
+                             other=0.0)  # [BLOCK_N, GROUPS]
+                sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, GROUPS, GROUP]), [BLOCK_N, RANK])
+            latent = (latent.to(tl.float32) * sc).to(q_nope.dtype)  # [BLOCK_N, R]
+            k_pe = k_pe.to(q_pe.dtype)
         s = tl.dot(q_nope, tl.trans(latent))
         s = tl.dot(q_pe, tl.trans(k_pe), s) * scale_log2  # [BLOCK_H, BLOCK_N]
         s = tl.where(nmask[None, :], s, float("-inf"))
@@ -114,9 +134,15 @@ def _check(q_nope, q_pe, kv_cache, block_table, seq_lens) -> None:
         raise DsquantError(f"mla decode: expected q_nope [B, H, R], q_pe [B, H, P], kv_cache [num_blocks, block_size, "
                            f"R + P], got {tuple(q_nope.shape)}, {tuple(q_pe.shape)}, {tuple(kv_cache.shape)}")
     rank, rope = q_nope.shape[2], q_pe.shape[2]
-    if kv_cache.shape[2] != rank + rope or not (_is_pow2(rank) and _is_pow2(rope)):
+    if not (_is_pow2(rank) and _is_pow2(rope)):
+        raise DsquantError(f"mla decode: kv_lora_rank {rank} and rope dim {rope} must be powers of two >= 16")
+    if kv_cache.dtype == torch.uint8:
+        if rank % MLA_GROUP or kv_cache.shape[2] != mla_fp8_token_bytes(rank, rope):
+            raise DsquantError(f"mla decode: a uint8 (FP8) kv_cache holds {rank} + 4 x {rank}/{MLA_GROUP} + 2 x {rope} "
+                               f"bytes per token (kv_lora_rank a multiple of {MLA_GROUP}), got {kv_cache.shape[2]}")
+    elif kv_cache.shape[2] != rank + rope:
         raise DsquantError(f"mla decode: kv_cache last dim {kv_cache.shape[2]} must be kv_lora_rank {rank} + rope "
-                           f"dim {rope}, both powers of two >= 16")
+                           f"dim {rope}")
     if kv_cache.stride(-1) != 1 or q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise DsquantError("mla decode: q_nope, q_pe and kv_cache need a unit last stride")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_table.shape[0] != q_nope.shape[0]:
@@ -169,16 +195,24 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
             is_split: bool):
     block_h, num_warps, head_blocks, splits = plan
     batch, heads, rank = q_nope.shape
+    fp8 = kv_cache.dtype == torch.uint8
+    if fp8:
+        latent, scales, pe = mla_fp8_views(kv_cache, rank, q_pe.shape[2], fp8_rope_dtype(q_pe.dtype))
+    else:
+        latent, scales, pe = kv_cache[..., :rank], kv_cache, kv_cache[..., rank:]  # scales unused
     _mla_decode_kernel[(batch, head_blocks, splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1),
         q_pe, q_pe.stride(0), q_pe.stride(1),
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+        latent, latent.stride(0), latent.stride(1),
+        pe, pe.stride(0), pe.stride(1),
+        scales, scales.stride(0), scales.stride(1),
         block_table, block_table.stride(0), seq_lens,
         out, out.stride(0), out.stride(1),
         part_out, part_lse,
         scale * LOG2E, splits, heads,
         RANK=rank, ROPE=q_pe.shape[2], BLOCK_H=block_h, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=config.block_n,
-        IS_SPLIT=is_split, num_warps=num_warps, num_stages=config.num_stages,
+        IS_SPLIT=is_split, KV_FP8=fp8, GROUPS=max(1, scales.shape[-1]) if fp8 else 1, GROUP=MLA_GROUP,
+        num_warps=num_warps, num_stages=config.num_stages,
     )
 
 

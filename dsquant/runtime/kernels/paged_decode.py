@@ -6,6 +6,10 @@ Layouts
 - block_table [B, max_blocks] int32; seq_lens [B] int32 (tokens in the cache, the current one
   included; 0 gives zeros, for padded batch rows).
 - out [B, Hq, D] in query's dtype. D need not be a power of two.
+- FP8 cache (--kv-cache-dtype fp8, kv_fp8_layout.py): k_cache, v_cache float8_e4m3fn and
+  k_scale, v_scale float32 [num_blocks, block_size, Hkv]. Keys and values are converted to the
+  query's dtype in registers (exact: e4m3 fits in fp16 and bf16); the per-token scales multiply
+  the score columns (k) and the probabilities (v), which equals attending to q * scale.
 
 Program (b, kv head, split) holds the G query heads of one kv head as the rows of one tile (padded
 to 16 for the tensor-core dot), so every key and value is read once for the whole group. It walks
@@ -44,12 +48,13 @@ class DecodeConfig:
 def _paged_decode_gqa_kernel(
     q_ptr, stride_qb, stride_qh,  # query [B, Hq, D]
     k_ptr, v_ptr, stride_cblk, stride_ctok, stride_chead,  # caches [num_blocks, block_size, Hkv, D]
+    ks_ptr, vs_ptr, stride_sblk, stride_stok,  # FP8: scales [num_blocks, block_size, Hkv] fp32
     block_table_ptr, stride_bt, seq_lens_ptr,  # [B, max_blocks] int32, [B] int32
     out_ptr, stride_ob, stride_oh,  # out [B, Hq, D] (not IS_SPLIT)
     part_out_ptr, part_lse_ptr,  # [B, Hq, S, D], [B, Hq, S] float32 (IS_SPLIT)
     scale_log2, num_splits, num_q_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,13 +81,21 @@ def _paged_decode_gqa_kernel(
         row = blk * stride_cblk + (n % BLOCK_SIZE) * stride_ctok + kv_head * stride_chead  # [BLOCK_N]
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_G, BLOCK_N]
+        if KV_FP8:
+            srow = blk * stride_sblk + (n % BLOCK_SIZE) * stride_stok + kv_head  # [BLOCK_N]
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            s = s * (tl.load(ks_ptr + srow, mask=nmask, other=0.0) * scale_log2)[None, :]  # [BLOCK_G, BLOCK_N]
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if KV_FP8:
+            p = p * tl.load(vs_ptr + srow, mask=nmask, other=0.0)[None, :]
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -96,6 +109,20 @@ def _paged_decode_gqa_kernel(
         tl.store(part_out_ptr + row_id[:, None] * HEAD_DIM + d[None, :], out, mask=omask & (end > start))
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # empty chunk: -inf
         tl.store(part_lse_ptr + row_id, lse, mask=gmask)
+
+
+def check_fp8_scales(name: str, k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Whether the caches are FP8 (then with fp32 scales [num_blocks, block_size, Hkv] of equal strides)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 != (k_scale is not None) or fp8 != (v_scale is not None) or v_cache.dtype != k_cache.dtype:
+        raise DsquantError(f"{name}: float8_e4m3fn caches need k_scale and v_scale (and only they do), got "
+                           f"{k_cache.dtype}, {v_cache.dtype} caches and scales "
+                           f"{'given' if k_scale is not None else 'missing'}")
+    if fp8 and (k_scale.shape != k_cache.shape[:3] or k_scale.dtype != torch.float32
+                or v_scale.shape != k_scale.shape or v_scale.stride() != k_scale.stride()):
+        raise DsquantError(f"{name}: k_scale, v_scale must be fp32 {tuple(k_cache.shape[:3])} with equal strides, "
+                           f"got {k_scale.dtype} {tuple(k_scale.shape)}, {tuple(v_scale.shape)}")
+    return fp8
 
 
 def _check(query, k_cache, v_cache, block_table, seq_lens) -> None:
@@ -116,13 +143,16 @@ def _check(query, k_cache, v_cache, block_table, seq_lens) -> None:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            max_seq_len: int | None = None, config: DecodeConfig = DecodeConfig(),
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of query [B, Hq, D] over the paged caches -> out [B, Hq, D].
 
     max_seq_len (host int, an upper bound of seq_lens) sizes the splits; by default the block
-    table's capacity, max_blocks x block_size.
+    table's capacity, max_blocks x block_size. k_scale, v_scale: with FP8 caches (module docstring).
     """
     _check(query, k_cache, v_cache, block_table, seq_lens)
+    fp8 = check_fp8_scales("paged decode", k_cache, v_cache, k_scale, v_scale)
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unused unless fp8
     batch, hq, dim = query.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -140,12 +170,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _paged_decode_gqa_kernel[(batch, hkv, splits)](
         query, query.stride(0), query.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        ks, vs, ks.stride(0), ks.stride(1),
         block_table, block_table.stride(0), seq_lens,
         out, out.stride(0), out.stride(1),
         part_out, part_lse,
         scale * LOG2E, splits, hq,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, IS_SPLIT=splits > 1,
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, IS_SPLIT=splits > 1, KV_FP8=fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:

@@ -12,6 +12,8 @@ Layouts
   is ctx_b = seq_lens[b] - q_len_b, and new token i (position ctx_b + i) attends to keys
   0 .. ctx_b + i.
 - out [Tq, Hq, D] in q's dtype. Hq = G x Hkv; query head h reads kv head h // G.
+- FP8 cache: k_cache, v_cache float8_e4m3fn with k_scale, v_scale fp32 [num_blocks, block_size, Hkv],
+  dequantized in registers as in paged_decode.py (scales on the score columns and the probabilities).
 
 MLA prefill is served by mla_decode.py in absorbed form, one row per new token (see there).
 
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
+from dsquant.runtime.kernels.paged_decode import check_fp8_scales
 
 LOG2E = 1.4426950408889634
 
@@ -43,11 +46,12 @@ class PrefillConfig:
 def _paged_prefill_kernel(
     q_ptr, stride_qt, stride_qh,  # q [Tq, Hq, D]
     k_ptr, v_ptr, stride_cblk, stride_ctok, stride_chead,  # caches [num_blocks, block_size, Hkv, D]
+    ks_ptr, vs_ptr, stride_sblk, stride_stok,  # FP8: scales [num_blocks, block_size, Hkv] fp32
     block_table_ptr, stride_bt, seq_lens_ptr, cu_seqlens_q_ptr,  # [B, max_blocks], [B], [B + 1] int32
     out_ptr, stride_ot, stride_oh,  # out [Tq, Hq, D]
     scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
@@ -79,7 +83,12 @@ def _paged_prefill_kernel(
             off = blk * stride_cblk + (n % BLOCK_SIZE) * stride_ctok + kv_head * stride_chead  # [BLOCK_N]
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N]
+            if KV_FP8:
+                soff = blk * stride_sblk + (n % BLOCK_SIZE) * stride_stok + kv_head  # [BLOCK_N]
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+                s = s * (tl.load(ks_ptr + soff, mask=nmask, other=0.0) * scale_log2)[None, :]  # [BLOCK_M, BLOCK_N]
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N]
             # key 0 is visible to every row, so each row's running max is finite after the first tile
             s = tl.where((n[None, :] <= pos[:, None]) & nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -87,6 +96,9 @@ def _paged_prefill_kernel(
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                p = p * tl.load(vs_ptr + soff, mask=nmask, other=0.0)[None, :]
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / l_i[:, None]
@@ -111,12 +123,16 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q) -> None:
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             scale: float, max_q_len: int | None = None, config: PrefillConfig = PrefillConfig(),
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal varlen attention of q [Tq, Hq, D] over the paged caches -> out [Tq, Hq, D].
 
     max_q_len (host int) sizes the grid; when omitted it is read from cu_seqlens_q (a device sync).
+    k_scale, v_scale: with FP8 caches (module docstring).
     """
     _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q)
+    fp8 = check_fp8_scales("paged prefill", k_cache, v_cache, k_scale, v_scale)
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unused unless fp8
     _, hq, dim = q.shape
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
@@ -129,11 +145,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _paged_prefill_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        ks, vs, ks.stride(0), ks.stride(1),
         block_table, block_table.stride(0), seq_lens, cu_seqlens_q,
         out, out.stride(0), out.stride(1),
         scale * LOG2E,
         GROUP=hq // k_cache.shape[2], HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n, KV_FP8=fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

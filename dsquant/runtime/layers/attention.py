@@ -5,10 +5,10 @@ cu_seqlens_q[b]:cu_seqlens_q[b+1] of the T new tokens and has seq_lens[b] tokens
 once they are written (its cached context plus the new ones). Query i of sequence b sits at
 position seq_lens[b] - q_len_b + i and attends causally to cache positions 0 .. that position.
 
-Cache layouts (one entry per decoder layer, shared with the Triton kernels, kv_store.py):
-  GQA  (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
-  MLA  kv_cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (latent, then rope key)
-slot_mapping[t] = block * block_size + offset of new token t.
+Cache layouts (one entry per decoder layer, shared with the Triton kernels): kv_cache.py, for
+the model dtype and for FP8 (--kv-cache-dtype fp8: each token is quantized when stored, through
+kernels/kv_fp8_layout.py, and dequantized when read, so every key a query sees, its own included,
+has been through the cache). slot_mapping[t] = block * block_size + offset of new token t.
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from dsquant.runtime.kernels.kv_fp8_layout import (dequantize_fp8, dequantize_mla_fp8, quantize_fp8,
+                                                   quantize_mla_fp8)
+from dsquant.runtime.layers.kv_cache import KVCacheSpec
 
 
 @dataclass
@@ -35,36 +39,19 @@ class PagedContext:
     seq_lens_host: list[int] = field(default_factory=list)
 
 
-def kv_cache_shapes(cfg, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
-    """Shape of each cache tensor of one layer (GQA: two, MLA: one)."""
-    if cfg.is_deepseek:
-        return [(num_blocks, block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)]
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.dense_head_dim)
-    return [shape, shape]
-
-
-def allocate_kv_caches(cfg, num_blocks: int, block_size: int, dtype, device) -> list[tuple]:
-    """Per layer, a tuple of zeroed cache tensors (see kv_cache_shapes)."""
-    return [tuple(torch.zeros(s, dtype=dtype, device=device) for s in kv_cache_shapes(cfg, num_blocks, block_size))
-            for _ in range(cfg.num_hidden_layers)]
-
-
-def kv_bytes_per_block(cfg, block_size: int, dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = sum(torch.Size(s[1:]).numel() for s in kv_cache_shapes(cfg, 1, block_size))
-    return per_layer * elem * cfg.num_hidden_layers
-
-
 class PagedAttentionBase:
     """Holds the caches and maps each attention module to its layer index."""
 
     def __init__(self):
         self.layer_index: dict = {}
         self.kv_caches: list[tuple] = []
+        self.spec = KVCacheSpec()
 
-    def bind(self, model, kv_caches: list[tuple]) -> None:
+    def bind(self, model, kv_caches: list[tuple], spec: KVCacheSpec | None = None) -> None:
+        """Use kv_caches (one tuple per layer, as kv_cache.allocate_kv_caches makes for `spec`)."""
         self.layer_index = {layer.self_attn: i for i, layer in enumerate(model.model.layers)}
         self.kv_caches = kv_caches
+        self.spec = spec or KVCacheSpec(dtype=kv_caches[0][0].dtype if kv_caches else torch.bfloat16)
 
     def caches_of(self, module) -> tuple:
         return self.kv_caches[self.layer_index[module]]
@@ -86,17 +73,27 @@ class TorchPagedAttention(PagedAttentionBase):
 
     def gqa(self, module, q, k, v, ctx: PagedContext):
         # q [1, T, Hq, D]; k, v [1, T, Hkv, D] -> [1, T, Hq, D]
-        k_cache, v_cache = self.caches_of(module)
-        block_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-        k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
-        k_flat[ctx.slot_mapping] = k[0].to(k_cache.dtype)
-        v_flat[ctx.slot_mapping] = v[0].to(v_cache.dtype)
+        caches = self.caches_of(module)
+        block_size, hkv, d = caches[0].shape[1], caches[0].shape[2], caches[0].shape[3]
+        k_flat, v_flat = caches[0].view(-1, hkv, d), caches[1].view(-1, hkv, d)  # [slots, Hkv, D]
+        slots_new = ctx.slot_mapping  # [T]
+        if self.spec.fp8:  # one scale per token and kv head
+            ks_flat, vs_flat = caches[2].view(-1, hkv), caches[3].view(-1, hkv)  # [slots, Hkv] fp32
+            k_flat[slots_new], ks_flat[slots_new] = quantize_fp8(k[0])
+            v_flat[slots_new], vs_flat[slots_new] = quantize_fp8(v[0])
+        else:
+            k_flat[slots_new] = k[0].to(k_flat.dtype)
+            v_flat[slots_new] = v[0].to(v_flat.dtype)
         out = torch.empty_like(q[0])  # [T, Hq, D]
         start = 0
         for b, (n_q, length) in enumerate(zip(ctx.q_lens_host, ctx.seq_lens_host)):
             slots = _slots(ctx.block_tables[b], length, block_size)
-            keys = k_flat[slots].to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
-            values = v_flat[slots].to(q.dtype).transpose(0, 1)
+            if self.spec.fp8:
+                keys = dequantize_fp8(k_flat[slots], ks_flat[slots]).to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
+                values = dequantize_fp8(v_flat[slots], vs_flat[slots]).to(q.dtype).transpose(0, 1)
+            else:
+                keys = k_flat[slots].to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
+                values = v_flat[slots].to(q.dtype).transpose(0, 1)
             qb = q[0, start:start + n_q].transpose(0, 1)  # [Hq, n, D]
             o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=_causal(n_q, length, q.device),
                                                scale=module.scaling, enable_gqa=qb.shape[0] != hkv)
@@ -107,15 +104,21 @@ class TorchPagedAttention(PagedAttentionBase):
     def mla(self, module, q_nope, q_pe, kv_latent, k_pe, ctx: PagedContext):
         # q_nope [1, T, H, nope]; q_pe [1, T, H, rope]; kv_latent [1, T, R]; k_pe [1, T, rope]
         (kv_cache,) = self.caches_of(module)
-        block_size, rank = kv_cache.shape[1], module.kv_lora_rank
-        flat = kv_cache.view(-1, kv_cache.shape[2])  # [slots, R + P]
-        flat[ctx.slot_mapping] = torch.cat([kv_latent[0], k_pe[0]], dim=-1).to(kv_cache.dtype)
+        block_size, rank, rope = kv_cache.shape[1], module.kv_lora_rank, k_pe.shape[-1]
+        flat = kv_cache.view(-1, kv_cache.shape[2])  # [slots, R + P], or uint8 [slots, W] (fp8)
+        if self.spec.fp8:  # FlashMLA's token layout: e4m3 latent, its scales, the rope key
+            flat[ctx.slot_mapping] = quantize_mla_fp8(kv_latent[0], k_pe[0], self.spec.rope_dtype)
+        else:
+            flat[ctx.slot_mapping] = torch.cat([kv_latent[0], k_pe[0]], dim=-1).to(kv_cache.dtype)
         h, nope, dv = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
         out = q_nope.new_empty(q_nope.shape[1], h, dv)  # [T, H, v]
         q = torch.cat([q_nope[0], q_pe[0]], dim=-1)  # [T, H, nope + rope]
         start = 0
         for b, (n_q, length) in enumerate(zip(ctx.q_lens_host, ctx.seq_lens_host)):
-            cached = flat[_slots(ctx.block_tables[b], length, block_size)].to(q.dtype)  # [L, R + P]
+            cached = flat[_slots(ctx.block_tables[b], length, block_size)]  # [L, R + P] (fp8: [L, W])
+            if self.spec.fp8:
+                cached = dequantize_mla_fp8(cached, rank, rope, self.spec.rope_dtype)
+            cached = cached.to(q.dtype)  # [L, R + P]
             kv = module.kv_b_proj(cached[:, :rank]).view(length, h, nope + dv)
             k_nope, v = kv.split([nope, dv], dim=-1)
             pe = cached[:, None, rank:].expand(length, h, cached.shape[1] - rank)

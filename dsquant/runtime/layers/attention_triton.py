@@ -11,6 +11,10 @@ kv_b_proj's dense (dequantized) weight.
 (mla_absorb.py): mla_prepare (q rope, W_UK, kv_a RMSNorm, k rope, cache store), the split decode
 kernel, and mla_merge_uv (split merge and W_UV; decode-sized batches, else merge + einsum); the
 fused MLA module (layers/fused.py) calls it.
+FP8 cache (self.spec.fp8, layers/kv_cache.py): the stores quantize (kv_store_fp8.py), the decode and
+prefill kernels dequantize in registers. mla_fused then has mla_prepare write the normed latent and
+rotated rope key to a [T, R + P] scratch buffer, which store_latent_fp8 quantizes into the cache (one
+launch more than with the model-dtype cache).
 """
 from __future__ import annotations
 
@@ -45,21 +49,28 @@ class TritonPagedAttention(PagedAttentionBase):
         from dsquant.runtime.kernels.paged_decode import paged_decode_attention
         from dsquant.runtime.kernels.paged_prefill import paged_prefill_attention
 
-        k_cache, v_cache = self.caches_of(module)
-        store_kv(k[0], v[0], k_cache, v_cache, ctx.slot_mapping)
+        k_cache, v_cache, *scales = self.caches_of(module)  # scales: (k_scale, v_scale) with fp8
+        if self.spec.fp8:
+            from dsquant.runtime.kernels.kv_store_fp8 import store_kv_fp8
+
+            store_kv_fp8(k[0], v[0], k_cache, v_cache, *scales, ctx.slot_mapping)
+            k_scale, v_scale = scales
+        else:
+            store_kv(k[0], v[0], k_cache, v_cache, ctx.slot_mapping)
+            k_scale = v_scale = None
         if ctx.is_decode:
             out = paged_decode_attention(q[0], k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
-                                         module.scaling, max_seq_len=ctx.max_seq_len)
+                                         module.scaling, max_seq_len=ctx.max_seq_len, k_scale=k_scale,
+                                         v_scale=v_scale)
         else:
             out = paged_prefill_attention(q[0], k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
-                                          ctx.cu_seqlens_q, module.scaling, max_q_len=ctx.max_q_len)
+                                          ctx.cu_seqlens_q, module.scaling, max_q_len=ctx.max_q_len,
+                                          k_scale=k_scale, v_scale=v_scale)
         return out[None]  # [1, T, Hq, D]
 
     def mla(self, module, q_nope, q_pe, kv_latent, k_pe, ctx: PagedContext):
-        from dsquant.runtime.kernels.kv_store import store_latent
-
         (kv_cache,) = self.caches_of(module)
-        store_latent(kv_latent[0], k_pe[0], kv_cache, ctx.slot_mapping)
+        self._store_latent(kv_latent[0], k_pe[0], kv_cache, ctx.slot_mapping)
         w_uk, w_uv = self._absorbed(module, q_nope.dtype)
         q_abs = torch.einsum("thn,hnr->thr", q_nope[0], w_uk)  # q_nope [T, H, nope] -> absorbed [T, H, R]
         q_pe = q_pe[0]  # [T, H, rope], a view of q (the kernel takes its strides)
@@ -76,11 +87,29 @@ class TritonPagedAttention(PagedAttentionBase):
         w_uk, w_uv = self._absorbed(module, q.dtype)
         t, half = q.shape[1], module.qk_rope_head_dim // 2
         norm = module.kv_a_layernorm
+        if self.spec.fp8:  # normed latent + rotated rope key to a scratch [T, 1, R + P], quantized from there
+            target = torch.empty(t, 1, latent.shape[-1], dtype=latent.dtype, device=latent.device)
+            slots = torch.arange(t, device=latent.device)
+        else:
+            target, slots = kv_cache, ctx.slot_mapping
         q_abs = mla_prepare(q[0], latent[0], norm.weight, norm.eps, ctx.cos.reshape(t, half),
-                            ctx.sin.reshape(t, half), w_uk, kv_cache, ctx.slot_mapping,
-                            module.rope_interleave)  # [T, H, R]
+                            ctx.sin.reshape(t, half), w_uk, target, slots, module.rope_interleave)  # [T, H, R]
+        if self.spec.fp8:
+            rank = module.kv_lora_rank
+            self._store_latent(target[:, 0, :rank], target[:, 0, rank:], kv_cache, ctx.slot_mapping)
         q_pe = q[0, :, :, module.qk_nope_head_dim:]  # [T, H, rope], rotated
         return self._attend_absorbed(module, q_abs, q_pe, kv_cache, w_uv, ctx)
+
+    def _store_latent(self, kv_c, k_pe, kv_cache, slot_mapping) -> None:
+        """kv_c [T, R], k_pe [T, P] into the layer's latent cache (quantized when it is FP8)."""
+        if self.spec.fp8:
+            from dsquant.runtime.kernels.kv_store_fp8 import store_latent_fp8
+
+            store_latent_fp8(kv_c, k_pe, kv_cache, slot_mapping, self.spec.rope_dtype)
+        else:
+            from dsquant.runtime.kernels.kv_store import store_latent
+
+            store_latent(kv_c, k_pe, kv_cache, slot_mapping)
 
     def _attend_absorbed(self, module, q_abs, q_pe, kv_cache, w_uv, ctx: PagedContext):
         """q_abs [T, H, R], q_pe [T, H, rope] over the latent cache, back through W_UV -> [1, T, H, v]."""

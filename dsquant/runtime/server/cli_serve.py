@@ -176,8 +176,10 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
         name = app.state.server.model_name
         tp_size = engine.config.tensor_parallel_size
         tp = f", tensor parallel {tp_size}" if tp_size > 1 else ""
+        stats = engine.stats()
         click.echo(f"dsquant serve: {name} on http://{bound_host}:{bound_port} (device {engine.device}{tp}, "
-                   f"max_model_len {engine.max_model_len}, {engine.block_manager.num_blocks} KV blocks)", err=True)
+                   f"max_model_len {engine.max_model_len}, {engine.block_manager.num_blocks} KV blocks: "
+                   f"{stats['kv_cache_tokens']} tokens, cache dtype {stats['kv_cache_dtype']})", err=True)
         build_server(app, shutdown_timeout).run(sockets=[sock])
     finally:
         engine.close()  # stops tensor-parallel workers

@@ -38,8 +38,11 @@ FINISH_REASONS = ("stop", "length", "abort")
 def cache_info(engine) -> dict[str, str]:
     """cache_config_info's labels (vLLM's CacheConfig fields that dsquant has) from an LLMEngine."""
     c = engine.config
-    runner_config = getattr(getattr(engine, "runner", None), "config", None)  # its dtype: the KV cache's
-    dtype = str(getattr(runner_config, "dtype", None) or c.dtype or "auto").removeprefix("torch.")
+    runner = getattr(engine, "runner", None)
+    if runner is not None:  # the cache's own dtype: the model's under auto, fp8_e4m3 under fp8
+        dtype = runner.kv_spec.label
+    else:
+        dtype = str(c.dtype or "auto").removeprefix("torch.")
     return {"block_size": str(c.block_size), "cache_dtype": dtype,
             "enable_prefix_caching": str(bool(c.enable_prefix_caching)),
             "gpu_memory_utilization": str(c.gpu_memory_utilization),
@@ -118,6 +121,10 @@ class ServerMetrics:
             info = cache_info(engine)
             Gauge(p + "cache_config_info", "Information of the KV-cache configuration.", names + list(info),
                   registry=r).labels(*values, *info.values()).set(1)
+            bm = engine.block_manager
+            Gauge(p + "kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size), by cache dtype.",
+                  names + ["cache_dtype"], registry=r).labels(*values, info["cache_dtype"]).set(
+                      bm.num_blocks * bm.block_size)
         # names older vLLM releases (and their dashboards) use for the same series
         r.register(AliasCollector([(parents["kv_cache_usage_perc"], p + "gpu_cache_usage_perc"),
                                    (parents["inter_token_latency_seconds"], p + "time_per_output_token_seconds"),
