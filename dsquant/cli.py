@@ -78,9 +78,10 @@ def _register() -> None:
     from dsquant.runtime.cli import generate
     from dsquant.runtime.cli_profile import profile
     from dsquant.runtime.server.cli_serve import serve
+    from dsquant.tune.cli_tune import tune
     from dsquant.validate.cli_validate import demo, validate
 
-    for command in (quantize, serve, validate, generate, demo, profile):
+    for command in (quantize, serve, validate, generate, demo, profile, tune):
         cli.add_command(command)
     bench = register_bench()
     if bench.commands:
