@@ -37,13 +37,14 @@ def _experts(n_experts: int, n: int, k: int, seed: int = 0):
 def test_batched_gptq_equals_one_by_one():
     w, hs = _experts(5, 48, 128)
     h = torch.stack([a.h for a in hs])
-    for act_order in (False, True):
+    for act_order, static in ((False, False), (True, False), (False, True), (True, True)):
         for sym, group in ((True, 32), (False, 64), (True, 128)):
-            spec, opts = SchemeSpec("gptq", 4, group), GPTQOptions(act_order=act_order, sym=sym)
+            spec = SchemeSpec("gptq", 4, group)
+            opts = GPTQOptions(act_order=act_order, sym=sym, static_groups=static)
             got = gptq_quantize_batch(w, h, spec, opts, torch.float16)
             for e in range(w.shape[0]):
                 want = gptq_quantize(w[e], hs[e], spec, opts, torch.float16)
-                where = f"expert {e}, act_order {act_order}, g{group}"
+                where = f"expert {e}, act_order {act_order}, static {static}, g{group}"
                 assert torch.equal(got[e].q, want.q), where
                 assert torch.equal(got[e].g_idx, want.g_idx), where
                 torch.testing.assert_close(got[e].dequantized, want.dequantized, rtol=1e-6, atol=0, msg=where)
@@ -102,3 +103,29 @@ def test_quantized_checkpoint_is_the_same_without_batching(tmp_path, monkeypatch
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), f"{name}: {key}"
+
+
+def test_static_groups_take_their_grid_from_the_weights_before_gptq_moves_them():
+    from dsquant import formats
+
+    w, hs = _experts(1, 32, 128, seed=3)
+    spec = SchemeSpec("gptq", 4, 32)
+    for sym in (True, False):
+        for act_order in (False, True):
+            static = gptq_quantize(w[0], hs[0], spec, GPTQOptions(sym=sym, act_order=act_order, static_groups=True),
+                                   torch.float16)
+            lazy = gptq_quantize(w[0], hs[0], spec, GPTQOptions(sym=sym, act_order=act_order, static_groups=False),
+                                 torch.float16)
+            if sym:  # the symmetric grid is RTN's symmetric grid of the original weights, in column order
+                _, scales, zeros = formats.quantize_int_groupwise(w[0], 32, 4, symmetric=True)
+                torch.testing.assert_close(static.scales.float(), scales.to(torch.float16).float(), rtol=0, atol=0)
+                assert torch.equal(static.zeros, zeros)
+            assert torch.equal(static.g_idx, torch.arange(128, dtype=torch.int32) // 32)  # identity, even act-order
+            assert not torch.equal(static.scales, lazy.scales)  # the lazy grid follows the updated weights
+            assert not torch.equal(static.q, lazy.q)
+            # the codes on the stored grid give the dequantized weight (what a reader computes)
+            rebuilt = formats.dequantize_int_groupwise(static.q, static.scales.float(), static.zeros, 32)
+            torch.testing.assert_close(rebuilt, static.dequantized, rtol=0, atol=0)
+        if act_order:  # act-order changes which columns absorb the error
+            plain = gptq_quantize(w[0], hs[0], spec, GPTQOptions(sym=sym, act_order=False), torch.float16)
+            assert not torch.equal(plain.q, static.q)

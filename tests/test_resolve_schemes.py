@@ -112,11 +112,20 @@ def test_fold_names_names_every_module_exactly():
 
 
 def test_act_order_gptq_stays_gptq_since_only_gptq_stores_g_idx():
-    gptq = parse_recipe({"default": {"scheme": "gptq"}, "gptq": {"act_order": True}}, "g.yaml")
+    """Act-order with groups of the permuted order (static_groups: false) needs a g_idx."""
+    gptq = parse_recipe({"default": {"scheme": "gptq"}, "gptq": {"act_order": True, "static_groups": False}}, "g.yaml")
     assert choose_format(gptq, "auto", {128, 64}) == "gptq" and choose_format(gptq, "gptq", {128, 64}) == "gptq"
     with pytest.raises(ConfigError, match=r"--format compressed-tensors: recipe g uses act-order GPTQ"):
         choose_format(gptq, "compressed-tensors")
-    mixed = parse_recipe({"default": {"scheme": "fp8_block"}, "gptq": {"act_order": True},
+    mixed = parse_recipe({"default": {"scheme": "fp8_block"}, "gptq": {"act_order": True, "static_groups": False},
                           "rules": [{"match": "*.experts.*", "scheme": "gptq"}]}, "m.yaml")
     with pytest.raises(ConfigError, match=r"--format auto: recipe m uses act-order GPTQ"):
         choose_format(mixed, None)
+
+
+def test_static_act_order_gptq_goes_anywhere():
+    """The default act-order keeps the groups in column order (identity g_idx): every format stores it."""
+    gptq = parse_recipe({"default": {"scheme": "gptq"}}, "g.yaml")
+    assert gptq.gptq.act_order and gptq.gptq.static_groups
+    assert choose_format(gptq, "auto", {128, 64}) == "compressed-tensors"
+    assert choose_format(gptq, "compressed-tensors") == "compressed-tensors"

@@ -3,9 +3,15 @@
 Columns are quantized one at a time in blocks of 128; each column's rounding error is spread
 over the not-yet-quantized columns through the inverse Hessian H^-1 (upper Cholesky factor),
 with H = 2/n sum x x^T from the layer's real inputs, dampened by damp_percent of its mean
-diagonal. Group parameters are fixed when the group's first column is reached (on the updated
-weights). Act-order quantizes columns by decreasing H diagonal; g_idx then maps each input
-channel to its group, as GPTQ v1 stores it.
+diagonal. Act-order quantizes columns by decreasing H diagonal.
+
+Group grids (scale, zero per output row and group of G input columns), two ways:
+- static_groups (the default): every group's grid from the weights before GPTQ moves them, the
+  groups in the original column order, whatever order act-order visits the columns in; so g_idx is
+  the identity and any INT4 format stores the result (llm-compressor's "static" act-order).
+- otherwise: a group's grid from its updated weights when GPTQ reaches its first column; with
+  act-order the groups are then runs of the permuted order, and g_idx maps each input channel to
+  its group, as GPTQ v1 stores it (desc_act).
 """
 from __future__ import annotations
 
@@ -68,6 +74,9 @@ def gptq_quantize_batch(weight: torch.Tensor, hessian: torch.Tensor, spec: Schem
     dead = torch.diagonal(h, dim1=1, dim2=2) == 0  # [E, K]
     torch.diagonal(h, dim1=1, dim2=2).masked_fill_(dead, 1)
     w.masked_fill_(dead[:, None, :], 0)
+    if opts.static_groups:  # every group's grid from the weights before GPTQ moves them, original column order
+        s0, z0 = _group_params(w.reshape(e_n * n * (k // g), g), qmax, opts.sym, scale_dtype)
+        s0, z0 = s0.reshape(e_n, n, k // g), z0.reshape(e_n, n, k // g)
     if opts.act_order:
         perm = torch.argsort(torch.diagonal(h, dim1=1, dim2=2), dim=1, descending=True)  # [E, K]
     else:
@@ -84,13 +93,19 @@ def gptq_quantize_batch(weight: torch.Tensor, hessian: torch.Tensor, spec: Schem
     scales = torch.zeros(e_n, n, k // g, device=dev)
     zeros = torch.zeros(e_n, n, k // g, dtype=torch.int32, device=dev)
     scale = zero = None
+    if opts.static_groups:
+        scales[:], zeros[:] = s0, z0.to(torch.int32)
+        col_group = perm // g  # [E, K]: the (original) group of each column in quantization order
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         w1, hinv1 = w[:, :, i1:i2].clone(), hinv[:, i1:i2, i1:i2]  # [E, N, B], [E, B, B]
         err1 = torch.zeros_like(w1)
         for i in range(i2 - i1):
             col = i1 + i
-            if col % g == 0:  # group params on the updated weights of the group's columns
+            if opts.static_groups:  # act-order visits groups out of order: gather each column's grid
+                idx = col_group[:, col][:, None, None].expand(e_n, n, 1)
+                scale, zero = torch.gather(s0, 2, idx)[..., 0], torch.gather(z0, 2, idx)[..., 0]  # [E, N]
+            elif col % g == 0:  # group params on the updated weights of the group's columns
                 cols = torch.cat([w1[:, :, i:], w[:, :, i2:]], dim=2)[:, :, :g]  # [E, N, G]
                 scale, zero = _group_params(cols.reshape(e_n * n, -1), qmax, opts.sym, scale_dtype)
                 scale, zero = scale.reshape(e_n, n), zero.reshape(e_n, n)
@@ -106,7 +121,9 @@ def gptq_quantize_batch(weight: torch.Tensor, hessian: torch.Tensor, spec: Schem
     inv = torch.argsort(perm, dim=1)  # [E, K]
     out = []
     for e in range(e_n):
-        g_idx = (torch.arange(k, device=dev) // g)[inv[e]].to(torch.int32)  # group of each channel
+        # group of each channel: static groups stay in the original order (no act-order g_idx to store)
+        g_idx = torch.arange(k, device=dev) // g if opts.static_groups else (torch.arange(k, device=dev) // g)[inv[e]]
+        g_idx = g_idx.to(torch.int32)
         out.append(QuantizedWeight(spec, deq[e][:, inv[e]].contiguous(), q=q[e][:, inv[e]].contiguous(),
                                    scales=scales[e].to(scale_dtype), zeros=zeros[e], g_idx=g_idx))
     return out

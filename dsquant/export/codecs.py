@@ -58,7 +58,8 @@ def choose_format(recipe: Recipe, requested: str | None, groups: set[int] | None
     ResolvedSchemes.single_group). Act-order GPTQ needs g_idx, which only the gptq format
     carries here: such a recipe stays gptq (shape fallbacks BF16) and never goes compressed-tensors."""
     own, native = export_format(recipe), export_format(recipe, groups)
-    act_order = "gptq" in recipe.schemes_used() and recipe.gptq.act_order
+    # act-order with static groups keeps the groups in column order: no g_idx to store
+    act_order = "gptq" in recipe.schemes_used() and recipe.gptq.act_order and not recipe.gptq.static_groups
     if act_order and native == "compressed-tensors" and own == "gptq":
         native = "gptq"
     if act_order and (requested == "compressed-tensors" or (requested in (None, "auto") and native != "gptq")):
@@ -168,9 +169,10 @@ def quantization_config(fmt: str, recipe: Recipe, schemes: dict[str, tuple[str, 
                 "version": "gemm", "modules_to_not_convert": not_convert}
     if fmt == "gptq":
         g = recipe.gptq
-        return {"quant_method": "gptq", "bits": 4, "group_size": groups[0], "desc_act": g.act_order,
+        return {"quant_method": "gptq", "bits": 4, "group_size": groups[0],
+                "desc_act": g.act_order and not g.static_groups,  # static groups: g_idx is the identity
                 "sym": g.sym, "damp_percent": g.damp_percent, "true_sequential": False,
-                "static_groups": False, "checkpoint_format": "gptq", "modules_to_not_convert": not_convert}
+                "static_groups": g.static_groups, "checkpoint_format": "gptq", "modules_to_not_convert": not_convert}
     if fmt == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128], "modules_to_not_convert": not_convert}
