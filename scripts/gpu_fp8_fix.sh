@@ -3,7 +3,8 @@
 # under .old/ swapped in) and on this tree, then `dsquant demo --device cuda` and a CPU validate
 # of the same GPU-made artifacts. Logs under $OUT.
 # Usage: TESTS="tests/kernels/test_fp8_cublas.py ..." scripts/gpu_fp8_fix.sh STEP...
-#   steps: old new demo probe gemm moe engine trained serve (benches: FP8 beside its peers, fixed path)
+#   steps: old new demo probe gemm moe engine trained serve (benches: FP8 beside its peers, fixed path),
+#   tune1 tune4 (dsquant tune of dsq-tiny-v3 on the GPU at --max-ppl-increase 1 / 4, issue 25)
 # .old/ (ignored) holds the old versions: for f in FILES; do mkdir -p .old/$(dirname $f);
 #   git show 57581c7:$f > .old/$f; done; carry .old and .wheels (../shared/wheels/h200-cp312).
 set -uo pipefail
@@ -40,6 +41,10 @@ for step in "$@"; do
            --timeout 530 -rfE -s --tb=short > "$OUT/trained.txt" 2>&1 ;;
     serve) timeout "${SERVE_S:-400}" python3 -m dsquant bench engine --schemes ${SERVE_SCHEMES:-fp8} --modes async \
            --peer-batches "" --serve ${SERVE_C:-1,8,32,64} --json "$OUT/serve.json" > "$OUT/serve.txt" 2>&1 ;;
+    tune1|tune4) b=${step#tune}; timeout "${TUNE_S:-290}" python3 -m dsquant tune dsquant/assets/models/dsq-tiny-v3 \
+           --device cuda --max-ppl-increase "$b" --batch 1,64 --latency-cache /tmp/tune-latency -o /tmp/tune-b$b \
+           > "$OUT/tune-b$b.txt" 2>&1; echo "tune rc=$?" >> "$OUT/tune-b$b.txt"; mkdir -p "$OUT/tune-b$b"
+         cp /tmp/tune-b$b/{tune.json,tune.md,pareto.png,recipe.yaml} /tmp/tune-latency/*.json "$OUT/tune-b$b/" 2>/dev/null ;;
     probe) timeout 120 python3 scripts/fp8_cublas_probe.py "$OUT/fp8-cublas-probe.json" > "$OUT/probe.txt" 2>&1 ;;
     gemm) timeout "${GEMM_S:-150}" python3 -m dsquant bench gemm --rep-ms 20 --m 1,4,64,1024,4096 \
             --json "$OUT/gemm.json" > "$OUT/gemm.txt" 2>&1 ;;
@@ -50,4 +55,4 @@ for step in "$@"; do
   esac
   echo "== $step: $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
-tail -5 "$OUT"/tests-*.txt 2>/dev/null; cat "$OUT/probe.txt" 2>/dev/null; tail -4 "$OUT/gemm.txt" "$OUT/moe.txt" 2>/dev/null; tail -12 "$OUT/engine.txt" 2>/dev/null; tail -40 "$OUT/trained.txt" "$OUT/serve.txt" 2>/dev/null; grep -A14 "perplexity\|ppl" "$OUT/demo-cuda.txt" 2>/dev/null | tail -16; tail -14 "$OUT/demo-cpu-validate.txt" 2>/dev/null
+tail -3 "$OUT"/tune-b*.txt 2>/dev/null; tail -5 "$OUT"/tests-*.txt 2>/dev/null; cat "$OUT/probe.txt" 2>/dev/null; tail -4 "$OUT/gemm.txt" "$OUT/moe.txt" 2>/dev/null; tail -12 "$OUT/engine.txt" 2>/dev/null; tail -40 "$OUT/trained.txt" "$OUT/serve.txt" 2>/dev/null; grep -A14 "perplexity\|ppl" "$OUT/demo-cuda.txt" 2>/dev/null | tail -16; tail -14 "$OUT/demo-cpu-validate.txt" 2>/dev/null

@@ -194,16 +194,55 @@ def test_tune_with_proof_on_qwen2(tmp_path, capsys):
     out = tmp_path / "out"
     code, stdout, err = run_main(capsys, ["tune", QWEN2, "-o", str(out), "--max-ppl-increase", "5", "--schemes",
                                           "bf16,awq_g128", "--batch", "1,4", "--latency-table", str(table),
-                                          "--eval-tokens", "256", "--window", "64", *FAST])
+                                          "--eval-tokens", "256", "--window", "64", "--compare", "fp8-block",
+                                          *FAST])
     assert code == 0, err
     payload = json.loads((out / "tune.json").read_text())
     proof = payload["proof"]
+    # the compared recipe is quantized and measured in the same validate run; fp8_block is not a scheme of
+    # this search, so it has no prediction
+    assert (out / "compare" / "fp8-block" / "config.json").is_file()
+    assert proof["compared"]["fp8-block"]["latency"]["tpot_us"] > 0 and payload["compared"]["fp8-block"] is None
     assert (out / "artifact" / "config.json").is_file() and (out / "validate" / "report.md").is_file()
     assert proof["heldout"]["kl"] >= 0 and math.isfinite(proof["eval"]["ppl_increase_pct"])
     assert proof["latency"]["tpot_us"] > 0 and proof["latency"]["throughput_tok_s"]["4"] > 0
     md = (out / "tune.md").read_text()
     assert "KL, held-out calibration tokens (additive-KL check)" in md and "TPOT batch 1, ms" in md
     assert "measured:" in stdout
+    assert "## Against the compared recipes" in md and "| fp8-block |" in md and "not in the search space" in md
+    assert "batch 1: tuned" in md and "fp8-block (measured TPOT" in md
+
+
+def test_compared_recipes_are_the_uniform_plans():
+    from dsquant.tune.runner import compared_plans, uniform_plans
+    from dsquant.tune.space import recipe_choice
+
+    space = _space(V3)
+    units = [SearchUnit(u.key, [Option(s, float(i), float(i), i) for i, s in enumerate(u.options)])
+             for u in space.units]
+    got = compared_plans(space, units, ["fp8-block", "awq-w4g128"], 7)
+    uniform = uniform_plans(units, ["fp8_block", "awq_g128"], 7)
+    assert got["fp8-block"].choice == uniform["fp8_block"].choice
+    assert got["awq-w4g128"].choice == uniform["awq_g128"].choice
+    # a recipe mixing schemes inside one group (q_a fp8, kv_a bf16: one attn_in unit) is not in the space
+    mixed = load_recipe_from({"name": "m", "default": {"scheme": "bf16"},
+                              "rules": [{"match": "*.q_a_proj", "scheme": "fp8_block"}]})
+    assert recipe_choice(space, mixed) is None
+
+
+def test_fused_moe_entries_replace_the_per_expert_sum():
+    space = _space(V3, "bf16,awq_g128")
+    plain, fused = lat.needed_keys(space, [1, 8]), lat.needed_keys(space, [1, 8], fused_moe=True)
+    moe = {k for k in fused if k[0].startswith("moe_")}
+    assert moe and not any(k[0].startswith("moe_") for k in plain)
+    assert {k[0] for k in moe} == {"moe_e16_k4_bf16_bf16", "moe_e16_k4_awq_g128_awq_g128"}
+    assert {(k[1], k[2]) for k in moe} == {(128, 256)}  # n = expert intermediate, k = hidden
+    assert lat._moe_schemes("moe_e16_k4_awq_g64_fp8_block") == ("awq_g64", "fp8_block")
+    table = lat.LatencyTable("synthetic", {k: 1.0 for k in fused}, fused_moe=True)
+    routed = next(u for u in space.units if u.name == "routed_experts")
+    assert lat.unit_us(space, routed, "awq_g128", table, 8) == 1.0  # one fused call per layer
+    per_expert = lat.LatencyTable("synthetic", {k: 1.0 for k in plain})
+    assert lat.unit_us(space, routed, "awq_g128", per_expert, 8) > 1.0
 
 
 def test_bands_group_consecutive_layers():
@@ -226,3 +265,14 @@ def test_quantize_calibrates_on_the_search_samples_and_never_on_the_heldout():
     quantize_draw = calibration_samples(load_tokenizer(V3), 4, 64, 0)  # what run_quantize draws
     assert (calib == quantize_draw).all()
     assert not any((h == c).all() for h in held for c in calib)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("key", ["bf16", "awq_g128", "awq_g64", "fp8_block"])
+def test_gpu_timings_run_the_runtime_kernels(key):
+    from dsquant.tune.timing import time_linear, time_moe
+
+    assert 0 < time_linear(key, 256, 512, 1, "cuda") < 1e4
+    assert 0 < time_moe(key, key, 16, 4, 128, 256, 8) < 1e4
+    assert 0 < time_moe("awq_g128", "fp8_block", 16, 4, 128, 256, 8) < 1e4  # mixed: the runtime's bf16 experts

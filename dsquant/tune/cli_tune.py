@@ -19,6 +19,19 @@ def parse_batches(text: str) -> list[int]:
     return batches
 
 
+def parse_compare(text: str) -> list[str]:
+    """'fp8-block,awq-w4g128' -> the recipes, each checked to load; 'none' or '' -> []."""
+    from dsquant.calibrate.recipe import load_recipe
+
+    names = [] if text.strip().lower() in ("", "none") else [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        try:
+            load_recipe(name)
+        except DsquantError as e:
+            raise DsquantError(f"--compare {name}: {e}") from None
+    return names
+
+
 @click.command(short_help="Choose a recipe from measured accuracy and measured latency.")
 @click.argument("model_dir", type=click.Path(path_type=str))
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(path_type=str),
@@ -48,11 +61,14 @@ def parse_batches(text: str) -> list[int]:
 @click.option("--eval-tokens", default=8192, show_default=True, type=click.IntRange(min=16),
               help="Proof: evaluation tokens per bundled eval set.")
 @click.option("--window", default=512, show_default=True, type=click.IntRange(min=3), help="Proof: eval window.")
+@click.option("--compare", default="fp8-block,awq-w4g128", show_default=True,
+              help="Recipes (bundled names or paths) quantized and measured beside the chosen one in the proof, "
+                   "their predictions in tune.md; 'none' for none.")
 @click.option("--no-proof", is_flag=True, help="Skip quantizing and validating the chosen recipe.")
 @device_option()
 def tune(model_dir, out_dir, max_ppl_increase, max_kl, max_weight_gb, batch, schemes, band, latency_table,
-         latency_cache, cpu_latency, n_samples, seqlen, n_heldout, seed, awq_grid, eval_tokens, window, no_proof,
-         device):
+         latency_cache, cpu_latency, n_samples, seqlen, n_heldout, seed, awq_grid, eval_tokens, window, compare,
+         no_proof, device):
     """Find the fastest recipe for MODEL_DIR within an accuracy budget (and a weight cap).
 
     Every module group of every layer (attention input projections, q_b, kv_b, o_proj, shared
@@ -72,7 +88,8 @@ def tune(model_dir, out_dir, max_ppl_increase, max_kl, max_weight_gb, batch, sch
         set_cpu_threads()
     args = TuneArgs(resolve_model_dir(model_dir), out_dir, max_ppl_increase, max_kl, max_weight_gb,
                     parse_batches(batch), parse_schemes(schemes), band, device, latency_table, latency_cache,
-                    cpu_latency, n_samples, seqlen, n_heldout, seed, awq_grid, eval_tokens, window, not no_proof)
+                    cpu_latency, n_samples, seqlen, n_heldout, seed, awq_grid, eval_tokens, window, not no_proof,
+                    parse_compare(compare))
     payload = run_tune(args, log=lambda m: click.echo(m, err=True))
     pred = payload["chosen"]["predicted"]
     click.echo(f"chosen: predicted KL {pred['kl']:.4g}, ppl +{pred['ppl_increase_pct']:.3g}%, "

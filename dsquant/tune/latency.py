@@ -11,8 +11,13 @@ weight-only kernel's work done in torch), a CPU figure in which INT4 and FP8 cos
 (`--latency-table FILE`, e.g. timed on a GPU) replaces the timing; measured tables are cached in
 ~/.cache/dsquant/latency/<device name>-<dsquant version>.json and only missing entries are timed.
 
-Routed experts at batch M: the expected number of distinct experts hit, a = E (1 - (1 - k/E)^M), each
-running ceil(M k / a) tokens; an expert projection costs a / E times its time at that token count.
+Routed experts at batch M: on CUDA, where the runtime runs a layer's experts as one fused MoE, one
+entry per layer shape and scheme times that fused_moe call for M tokens routed uniformly at random
+(timing.time_moe; table scheme "moe_e{E}_k{k}_{gate/up scheme}_{down scheme}", n = I, k = H). On CPU,
+where the runtime loops over the experts hit, the expected number of distinct experts hit,
+a = E (1 - (1 - k/E)^M), each runs ceil(M k / a) tokens; an expert projection costs a / E times its
+time at that token count. Shared experts count as a dense MLP; on CUDA the runtime folds them into
+the fused MoE when they share the routed experts' format, which the fixed work then absorbs.
 
 Fixed work (attention, norms, routing, embeddings, lm_head, sampling, engine overhead): chosen as
 "time a BF16 decode step with the runtime and subtract the linears": the BF16 model's TPOT (batch 1)
@@ -28,15 +33,14 @@ import math
 import os
 import platform
 import re
-import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from dsquant.errors import DsquantError
-from dsquant.tune.space import Space, Unit, scheme_key
+from dsquant.tune.space import Group, Space, Unit, scheme_key
+from dsquant.tune.timing import time_linear, time_moe
 
 CACHE_DIR = Path("~/.cache/dsquant/latency")
 
@@ -48,6 +52,7 @@ class LatencyTable:
     fixed: dict[int, float] = field(default_factory=dict)  # M -> us per decode step (this model)
     source: str = "measured"  # "measured", "cache: PATH" or the --latency-table path
     notes: list[str] = field(default_factory=list)
+    fused_moe: bool = False  # routed experts timed as one fused_moe per layer (CUDA), not per expert
 
 
 def device_name(device: str) -> str:
@@ -92,7 +97,8 @@ def load_table(path: str | Path, model: str) -> LatencyTable:
     if model in fixed_raw and isinstance(fixed_raw[model], dict):
         fixed_raw = fixed_raw[model]
     fixed = {int(m): float(us) for m, us in fixed_raw.items() if not isinstance(us, dict)}
-    return LatencyTable(str(raw.get("device", "unknown")), linears, fixed, str(path))
+    fused = bool(raw.get("fused_moe", any(s.startswith("moe_") for s, *_ in linears)))
+    return LatencyTable(str(raw.get("device", "unknown")), linears, fixed, str(path), fused_moe=fused)
 
 
 def save_table(table: LatencyTable, path: Path, model: str) -> None:
@@ -109,7 +115,7 @@ def save_table(table: LatencyTable, path: Path, model: str) -> None:
     rows.update(table.linears)
     payload = {"device": table.device, "linears": [{"scheme": s, "n": n, "k": k, "m": m, "us": us}
                                                    for (s, n, k, m), us in sorted(rows.items())],
-               "fixed_us": fixed}
+               "fixed_us": fixed, "fused_moe": table.fused_moe}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(payload, indent=1))
@@ -131,69 +137,36 @@ def module_terms(space: Space, module: str, m: int) -> tuple[int, float]:
     return m, 1.0
 
 
-def needed_keys(space: Space, batches: list[int]) -> set[tuple[str, int, int, int]]:
+def moe_key(space: Space, group: Group, scheme: str, m: int) -> tuple[str, int, int, int]:
+    """The table key of a routed_experts group's fused MoE under `scheme` at m tokens."""
+    gate = next(x for x in group.modules if x.endswith(".gate_proj"))
+    down = next(x for x in group.modules if x.endswith(".down_proj"))
+    inter, hidden = space.shapes[gate]
+    keys = "_".join(scheme_key(space.spec(scheme, x)) for x in (gate, down))
+    return f"moe_e{space.n_experts}_k{space.top_k}_{keys}", inter, hidden, m
+
+
+def _moe_schemes(name: str) -> tuple[str, str]:
+    """'moe_e16_k4_awq_g128_fp8_block' -> ('awq_g128', 'fp8_block')."""
+    rest = name.split("_", 3)[3]
+    for a in ("bf16", "fp8_block") + tuple(f"awq_g{g}" for g in (32, 64, 128)):
+        if rest.startswith(a + "_"):
+            return a, rest[len(a) + 1:]
+    raise DsquantError(f"latency table: cannot read the schemes of {name!r}")
+
+
+def needed_keys(space: Space, batches: list[int], fused_moe: bool = False) -> set[tuple[str, int, int, int]]:
     keys = set()
     for scheme, specs in space.resolved.items():
-        for module, spec in specs.items():
-            n, k = space.shapes[module]
-            for b in batches:
-                keys.add((scheme_key(spec), n, k, module_terms(space, module, b)[0]))
+        for g in space.groups:
+            if g.name == "routed_experts" and fused_moe:
+                keys.update(moe_key(space, g, scheme, b) for b in batches)
+                continue
+            for module in g.modules:
+                n, k = space.shapes[module]
+                spec = specs[module]
+                keys.update((scheme_key(spec), n, k, module_terms(space, module, b)[0]) for b in batches)
     return keys
-
-
-def _runtime_linear(key: str, n: int, k: int, device: str, dtype: torch.dtype, cpu_mode: str):
-    """A runtime QuantLinear of scheme `key` with random weights [N, K], processed as the loader does."""
-    from torch import nn
-
-    from dsquant import formats
-    from dsquant.runtime.layers.linear import QuantLinear
-    from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod
-
-    g = torch.Generator().manual_seed(n * 7919 + k)
-    w = torch.randn(n, k, generator=g) * 0.02  # [N, K] fp32
-    if key == "bf16":
-        layer = QuantLinear(DenseMethod(), "tune", k, n, False)
-        layer.weight = nn.Parameter(w.to(dtype), requires_grad=False)
-    elif key.startswith("awq_g"):
-        group = int(key[5:])
-        layer = QuantLinear(AWQMethod(group_size=group), "tune", k, n, False)
-        q, s, z = formats.quantize_int_groupwise(w, group)
-        for name, t in zip(("qweight", "qzeros", "scales"), formats.to_awq_tensors(q, s, z, dtype=torch.bfloat16)):
-            setattr(layer, name, nn.Parameter(t, requires_grad=False))
-    elif key == "fp8_block":
-        layer = QuantLinear(FP8BlockMethod(), "tune", k, n, False)
-        wq, ws = formats.quantize_fp8_block(w)
-        layer.weight, layer.weight_scale_inv = (nn.Parameter(t, requires_grad=False) for t in (wq, ws))
-    else:
-        raise DsquantError(f"latency: no timing for scheme {key!r}")
-    layer.compute_dtype = dtype
-    layer.to(device)
-    layer.method.process_weights_after_loading(layer)
-    if device != "cuda" and cpu_mode == "dequant" and key != "bf16":
-        method = layer.method
-        return lambda x: torch.nn.functional.linear(x, method.dequantized_weight(layer, dtype))
-    return layer
-
-
-@torch.no_grad()
-def time_linear(key: str, n: int, k: int, m: int, device: str, cpu_mode: str = "runtime",
-                min_seconds: float = 0.02) -> float:
-    """Median microseconds of y = x @ W^T for x [M, K] through scheme `key`'s runtime method."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    fn = _runtime_linear(key, n, k, device, dtype, cpu_mode)
-    x = torch.randn(m, k, dtype=dtype, device=device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(3):
-        fn(x)
-    sync()
-    runs, spent = [], 0.0
-    while len(runs) < 5 or (spent < min_seconds and len(runs) < 200):
-        t0 = time.perf_counter()
-        fn(x)
-        sync()
-        runs.append(time.perf_counter() - t0)
-        spent += runs[-1]
-    return statistics.median(runs) * 1e6
 
 
 def linear_step_us(space: Space, choice: dict[str, str], table: LatencyTable, m: int) -> float:
@@ -204,6 +177,13 @@ def linear_step_us(space: Space, choice: dict[str, str], table: LatencyTable, m:
 def unit_us(space: Space, unit: Unit, scheme: str, table: LatencyTable, m: int) -> float:
     total = 0.0
     for g in unit.groups:
+        if g.name == "routed_experts" and table.fused_moe:
+            key = moe_key(space, g, scheme, m)
+            if key not in table.linears:
+                raise DsquantError(f"{table.source}: no fused-MoE time {key[0]} at I={key[1]}, H={key[2]}, "
+                                   f"M={m} (layer {g.layer}); the table needs every layer shape's experts")
+            total += table.linears[key]
+            continue
         for module in g.modules:
             n, k = space.shapes[module]
             tokens, times = module_terms(space, module, m)
@@ -219,9 +199,9 @@ def build_table(space: Space, batches: list[int], device: str, model_dir: str, t
                 cache_dir: str | Path, cpu_mode: str, fixed_spec, log=print) -> LatencyTable:
     """The latency table: a recorded one (--latency-table), else the cache topped up by timing."""
     model = model_id(model_dir)
-    needed = needed_keys(space, batches)
     if table_path is not None:
         table = load_table(table_path, model)
+        needed = needed_keys(space, batches, table.fused_moe)
         missing = sorted(needed - set(table.linears))
         if missing:
             s, n, k, m = missing[0]
@@ -234,11 +214,15 @@ def build_table(space: Space, batches: list[int], device: str, model_dir: str, t
     path = cache_path(cache_dir, device, cpu_mode)
     table = load_table(path, model) if path.is_file() else LatencyTable(device_name(device))
     table.source = f"cache {path}" if table.linears else "measured"
-    todo = sorted(needed - set(table.linears))
+    table.fused_moe = device == "cuda" and space.n_experts > 0
+    todo = sorted(needed_keys(space, batches, table.fused_moe) - set(table.linears))
     if todo:
         log(f"latency: timing {len(todo)} linear shapes on {device_name(device)}")
     for s, n, k, m in sorted(todo, key=lambda key: key[0] != "bf16"):  # BF16 first: INT4 on CPU copies it
-        if device != "cuda" and cpu_mode == "runtime" and s.startswith("awq_g"):
+        if s.startswith("moe_"):
+            key_13, key_2 = _moe_schemes(s)
+            table.linears[(s, n, k, m)] = time_moe(key_13, key_2, space.n_experts, space.top_k, n, k, m)
+        elif device != "cuda" and cpu_mode == "runtime" and s.startswith("awq_g"):
             table.linears[(s, n, k, m)] = table.linears[("bf16", n, k, m)]
         else:
             table.linears[(s, n, k, m)] = time_linear(s, n, k, m, device, cpu_mode)

@@ -70,6 +70,7 @@ def _payload(ctx) -> dict:
         "fixed_bytes": ctx["fixed_bytes"], "fixed_us": table.fixed,
         "chosen": {"choice": _choice(ctx, ctx["chosen"]), "predicted": _predicted(ctx, ctx["chosen"])},
         "uniform": {s: _predicted(ctx, p) for s, p in ctx["uniform"].items()},
+        "compared": {n: None if p is None else _predicted(ctx, p) for n, p in ctx.get("compared", {}).items()},
         "front": [{"choice": _choice(ctx, p), **_predicted(ctx, p)} for p in ctx["front"]],
         "search": {"exact": ctx["result"].exact and ctx["everything"].exact, "feasible_front": len(ctx["result"].plans),
                    "notes": ctx["result"].notes},
@@ -85,6 +86,44 @@ def _err(pred: float, meas: float) -> str:
     if not meas or math.isnan(meas):
         return "n/a"
     return f"{(pred - meas) / meas * 100:+.1f}%"
+
+
+def _compared_lines(payload, bs: list[int]) -> list[str]:
+    """The chosen recipe against each --compare recipe, predicted and measured in one validate run."""
+    proof, pred = payload["proof"], payload["chosen"]["predicted"]
+    measured = proof.get("compared") or {}
+    if not measured:
+        return []
+
+    def cells(p, m) -> str:
+        out = [f"{p['step_us'][1] / 1e3:.3f} / {m['tpot_us'] / 1e3:.3f} ({_err(p['step_us'][1], m['tpot_us'])})"
+               if 1 in bs else "n/a"]
+        for b in (b for b in bs if b > 1):
+            got = m["throughput_tok_s"].get(b, float("nan"))
+            out.append(f"{p['throughput_tok_s'][b]:.0f} / {got:.0f} ({_err(p['throughput_tok_s'][b], got)})")
+        return " | ".join(out)
+
+    heads = (["TPOT b1 ms, predicted / measured"] if 1 in bs else []) + \
+        [f"tok/s b{b}, predicted / measured" for b in bs if b > 1]
+    lines = ["", "## Against the compared recipes (one validate run, same inputs)", "",
+             "| recipe | eval ppl +% | eval KL | GB on disk | " + " | ".join(heads) + " |",
+             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in heads) + " |",
+             f"| tuned | {proof['eval']['ppl_increase_pct']:.3g} | {proof['eval']['kl']:.4g} | "
+             f"{proof['disk_bytes'] / GB:.4f} | {cells(pred, proof['latency'])} |"]
+    verdicts = []
+    for name, m in measured.items():
+        p = payload["compared"].get(name)
+        lines.append(f"| {name} | {m['eval']['ppl_increase_pct']:.3g} | {m['eval']['kl']:.4g} | "
+                     f"{m['disk_bytes'] / GB:.4f} | " + (cells(p, m["latency"]) if p else "not in the search space")
+                     + " |")
+        for b in bs:
+            mine = proof["latency"]["tpot_us"] if b == 1 else -proof["latency"]["throughput_tok_s"].get(b, math.nan)
+            theirs = m["latency"]["tpot_us"] if b == 1 else -m["latency"]["throughput_tok_s"].get(b, math.nan)
+            what = "TPOT" if b == 1 else "throughput"
+            verdicts.append(f"batch {b}: tuned {'is at least as fast as' if mine <= theirs else 'is SLOWER than'} "
+                            f"{name} (measured {what} {abs(mine) / 1e3 if b == 1 else abs(mine):.4g} against "
+                            f"{abs(theirs) / 1e3 if b == 1 else abs(theirs):.4g}{' ms' if b == 1 else ' tok/s'})")
+    return lines + [""] + [f"- {v}" for v in verdicts]
 
 
 def _markdown(ctx, payload) -> str:
@@ -139,6 +178,7 @@ def _markdown(ctx, payload) -> str:
         lines += [""] + [f"- {k}" for k in kept] + [
             f"- artifact {proof['artifact']} ({proof['format']}); validate report {proof['validate_report']}",
             "- measured latency: dsquant's engine (validate), same LatencySpec as the fixed-work timing"]
+        lines += _compared_lines(payload, bs)
     cands = ctx["sens"].candidates
     lines += ["", "## Sensitivity (each candidate alone, held-out calibration tokens)", "",
               f"Layer-local proxy (relative squared error of the layer output) against the real KL: Spearman rank "
@@ -169,6 +209,10 @@ def _plot(ctx, payload, path: Path) -> None:
         ax.plot([x_of(p, kind, b) for p in front], [p["kl"] for p in front], c="tab:blue", lw=1, label="front")
         for name, p in payload["uniform"].items():
             ax.scatter([x_of(p, kind, b)], [p["kl"]], marker="s", s=30, label=f"{name} everywhere")
+        for name, p in payload["compared"].items():
+            if p is not None:
+                ax.scatter([x_of(p, kind, b)], [p["kl"]], marker="D", s=40, facecolors="none", edgecolors="k",
+                           label=f"{name} (recipe)")
         chosen = payload["chosen"]["predicted"]
         ax.scatter([x_of(chosen, kind, b)], [chosen["kl"]], marker="*", s=200, c="red", label="chosen", zorder=5)
         ax.axhline(ctx["budget"], ls="--", c="red", lw=0.8, label="KL budget")

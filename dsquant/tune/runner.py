@@ -17,7 +17,7 @@ from dsquant.errors import DsquantError
 from dsquant.tune import latency as lat
 from dsquant.tune.search import Option, Plan, SearchUnit, best, closest, front_2d, search
 from dsquant.tune.sensitivity import Sensitivity, SensitivityArgs, calibration_split, measure
-from dsquant.tune.space import Space, build_space, unit_bytes
+from dsquant.tune.space import Space, build_space, recipe_choice, unit_bytes
 
 GB = 1e9
 
@@ -44,6 +44,8 @@ class TuneArgs:
     eval_tokens: int = 8192
     window: int = 512
     proof: bool = True
+    compare: list[str] = field(default_factory=lambda: ["fp8-block", "awq-w4g128"])  # quantized and measured
+    # beside the chosen recipe in the proof, their predictions in tune.md
 
 
 def latency_spec(batches: list[int], device: str):
@@ -121,6 +123,21 @@ def plan_of(units: list[SearchUnit], idx: tuple[int, ...], fixed: int = 0) -> Pl
     return Plan(idx, sum(o.kl for o in opts), sum(o.cost for o in opts), fixed + sum(o.bytes for o in opts))
 
 
+def compared_plans(space: Space, units: list[SearchUnit], names: list[str], fixed: int) -> dict[str, Plan | None]:
+    """The plan each --compare recipe amounts to in the search space (None: not expressible in it)."""
+    from dsquant.calibrate.recipe import load_recipe
+
+    out = {}
+    for name in names:
+        choice = recipe_choice(space, load_recipe(name))
+        if choice is None:
+            out[name] = None
+            continue
+        idx = tuple(next(j for j, o in enumerate(u.options) if o.scheme == choice[u.key]) for u in units)
+        out[name] = plan_of(units, idx, fixed)
+    return out
+
+
 def random_plans(units: list[SearchUnit], n: int, seed: int, fixed: int) -> list[Plan]:
     rng = random.Random(seed)
     return [plan_of(units, tuple(rng.randrange(len(u.options)) for u in units), fixed) for _ in range(n)]
@@ -181,6 +198,7 @@ def run_tune(args: TuneArgs, log=print) -> dict:
                "budget": budget, "cap": cap, "fixed_bytes": fixed, "chosen": chosen, "result": result,
                "front": front_2d(everything.plans), "everything": everything,
                "uniform": uniform_plans(units, args.schemes, fixed),
+               "compared": compared_plans(space, units, args.compare, fixed),
                "random": random_plans(units, 400, args.seed, fixed), "proof": None}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -191,5 +209,5 @@ def run_tune(args: TuneArgs, log=print) -> dict:
         _, heldout = calibration_split(args.model_dir, args.n_samples, args.n_heldout, args.seqlen, args.seed)
         context["proof"] = run_proof(ProofArgs(args.model_dir, str(recipe_path), out, args.n_samples, args.seqlen,
                                                args.seed, args.device, args.eval_tokens, args.window, spec),
-                                     heldout, log)
+                                     heldout, log, compare=args.compare)
     return write_outputs(context)

@@ -184,3 +184,17 @@ def choice_recipe(space: Space, choice: dict[str, str], name: str, description: 
                 rules.append(rule)
     return {"name": name, "description": description, "default": {"scheme": "bf16"}, "rules": rules,
             "keep": list(KEEP), "on_indivisible": "fallback"}
+
+
+def recipe_choice(space: Space, recipe: Recipe) -> dict[str, str] | None:
+    """The unit -> scheme choice that gives every module what `recipe` gives it (resolved as quantize
+    resolves it), or None when some unit's modules get a mix no scheme of the space gives."""
+    specs = resolve_schemes(space.shapes, recipe).specs
+    choice = {}
+    for unit in space.units:
+        want = tuple(specs[m] for g in unit.groups for m in g.modules)
+        found = [s for s in unit.options if tuple(space.resolved[s][m] for g in unit.groups for m in g.modules) == want]
+        if not found:
+            return None
+        choice[unit.key] = found[0]
+    return choice
