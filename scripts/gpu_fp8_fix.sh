@@ -43,8 +43,9 @@ for step in "$@"; do
            --peer-batches "" --serve ${SERVE_C:-1,8,32,64} --json "$OUT/serve.json" > "$OUT/serve.txt" 2>&1 ;;
     tune1|tune4) b=${step#tune}; timeout "${TUNE_S:-290}" python3 -m dsquant tune dsquant/assets/models/dsq-tiny-v3 \
            --device cuda --max-ppl-increase "$b" --batch 1,64 --latency-cache /tmp/tune-latency -o /tmp/tune-b$b \
-           > "$OUT/tune-b$b.txt" 2>&1; echo "tune rc=$?" >> "$OUT/tune-b$b.txt"; mkdir -p "$OUT/tune-b$b"
-         cp /tmp/tune-b$b/{tune.json,tune.md,pareto.png,recipe.yaml} /tmp/tune-latency/*.json "$OUT/tune-b$b/" 2>/dev/null ;;
+           > "$OUT/tune-b$b.txt" 2>&1; echo "tune rc=$?" >> "$OUT/tune-b$b.txt"; 
+         (cd /tmp/tune-b$b && tar -czf "$OUT/tune-b$b.tgz" tune.json tune.md pareto.png recipe.yaml validate \
+           /tmp/tune-latency 2>/dev/null) ;;
     probe) timeout 120 python3 scripts/fp8_cublas_probe.py "$OUT/fp8-cublas-probe.json" > "$OUT/probe.txt" 2>&1 ;;
     gemm) timeout "${GEMM_S:-150}" python3 -m dsquant bench gemm --rep-ms 20 --m 1,4,64,1024,4096 \
             --json "$OUT/gemm.json" > "$OUT/gemm.txt" 2>&1 ;;

@@ -211,6 +211,7 @@ def test_tune_with_proof_on_qwen2(tmp_path, capsys):
     assert "measured:" in stdout
     assert "## Against the compared recipes" in md and "| fp8-block |" in md and "not in the search space" in md
     assert "batch 1: tuned" in md and "fp8-block (measured TPOT" in md
+    assert "fixed work re-timed by this run's BF16 baseline" in md  # the anchored prediction beside the cached one
 
 
 def test_compared_recipes_are_the_uniform_plans():

@@ -52,9 +52,9 @@ def latency_spec(batches: list[int], device: str):
     """The decode-dominated LatencySpec that both the fixed-work timing and the proof use."""
     from dsquant.validate.latency import LatencySpec
 
-    out = 64 if device == "cuda" else 16
-    return LatencySpec(ttft_input=16, tpot_output=out, throughput_input=16, throughput_output=out,
-                       batch_sizes=tuple(b for b in batches if b > 1), repeats=3 if device == "cuda" else 2)
+    out = 128 if device == "cuda" else 16
+    return LatencySpec(ttft_input=16, tpot_output=out, throughput_input=16, throughput_output=out // 2,
+                       batch_sizes=tuple(b for b in batches if b > 1), repeats=5 if device == "cuda" else 2)
 
 
 def fixed_bytes(model, space: Space) -> int:
