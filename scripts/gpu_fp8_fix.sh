@@ -4,7 +4,7 @@
 # of the same GPU-made artifacts. Logs under $OUT.
 # Usage: TESTS="tests/kernels/test_fp8_cublas.py ..." scripts/gpu_fp8_fix.sh STEP...
 #   steps: old new demo probe gemm moe engine trained serve (benches: FP8 beside its peers, fixed path),
-#   tune1 tune4 (dsquant tune of dsq-tiny-v3 on the GPU at --max-ppl-increase 1 / 4, issue 25)
+#   kvfp8 (the FP8-KV-cache decode rows of bench attention), tune1 tune4 (dsquant tune of dsq-tiny-v3 on the GPU at --max-ppl-increase 1 / 4, issue 25)
 # .old/ (ignored) holds the old versions: for f in FILES; do mkdir -p .old/$(dirname $f);
 #   git show 57581c7:$f > .old/$f; done; carry .old and .wheels (../shared/wheels/h200-cp312).
 set -uo pipefail
@@ -46,6 +46,13 @@ for step in "$@"; do
            > "$OUT/tune-b$b.txt" 2>&1; echo "tune rc=$?" >> "$OUT/tune-b$b.txt"; 
          (cd /tmp/tune-b$b && tar -czf "$OUT/tune-b$b.tgz" tune.json tune.md pareto.png recipe.yaml validate \
            /tmp/tune-latency 2>/dev/null) ;;
+    kvfp8) timeout "${KV_S:-200}" python3 -c "
+import torch
+from dsquant.bench.attention import _print
+from dsquant.bench.attention_fp8 import fp8_rows
+from dsquant.bench.common import write_json
+rows = fp8_rows(64, torch.Generator().manual_seed(0), lambda r: _print([r]))
+write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1 ;;
     probe) timeout 120 python3 scripts/fp8_cublas_probe.py "$OUT/fp8-cublas-probe.json" > "$OUT/probe.txt" 2>&1 ;;
     gemm) timeout "${GEMM_S:-150}" python3 -m dsquant bench gemm --rep-ms 20 --m 1,4,64,1024,4096 \
             --json "$OUT/gemm.json" > "$OUT/gemm.txt" 2>&1 ;;
@@ -56,4 +63,4 @@ for step in "$@"; do
   esac
   echo "== $step: $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
-tail -3 "$OUT"/tune-b*.txt 2>/dev/null; tail -5 "$OUT"/tests-*.txt 2>/dev/null; cat "$OUT/probe.txt" 2>/dev/null; tail -4 "$OUT/gemm.txt" "$OUT/moe.txt" 2>/dev/null; tail -12 "$OUT/engine.txt" 2>/dev/null; tail -40 "$OUT/trained.txt" "$OUT/serve.txt" 2>/dev/null; grep -A14 "perplexity\|ppl" "$OUT/demo-cuda.txt" 2>/dev/null | tail -16; tail -14 "$OUT/demo-cpu-validate.txt" 2>/dev/null
+tail -20 "$OUT/kvfp8.txt" 2>/dev/null; tail -3 "$OUT"/tune-b*.txt 2>/dev/null; tail -5 "$OUT"/tests-*.txt 2>/dev/null; cat "$OUT/probe.txt" 2>/dev/null; tail -4 "$OUT/gemm.txt" "$OUT/moe.txt" 2>/dev/null; tail -12 "$OUT/engine.txt" 2>/dev/null; tail -40 "$OUT/trained.txt" "$OUT/serve.txt" 2>/dev/null; grep -A14 "perplexity\|ppl" "$OUT/demo-cuda.txt" 2>/dev/null | tail -16; tail -14 "$OUT/demo-cpu-validate.txt" 2>/dev/null

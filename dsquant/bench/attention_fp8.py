@@ -4,7 +4,8 @@ same kernels over the bf16 cache holding the same values (issue 23: decode at 32
 Rows: GQA decode (D 128) and MLA decode (16 and 128 heads, latent 512 + rope 64, FlashMLA's 656-byte
 token) at L 4096 and 32768. `x peer` is the bf16 cache's time over the FP8 cache's (CUDA-graph
 medians), `achieved` the FP8 cache's bytes read per second, `check` the relative difference of the
-two outputs (the FP8 rounding: a few 1e-2).
+two outputs (the FP8 rounding: a few 1e-2). MLA rows come in pairs: the kernel that folds the scales
+into the dots (mla_decode_fp8.py, what runs) and the tile-dequantizing one it replaced.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _gqa(shape, block_size, gen, dev="cuda") -> Row:
                pg / g, bytes_read / g / 1e3, "GB/s", check, str(DecodeConfig()))
 
 
-def _mla(heads, batch, length, block_size, gen, dev="cuda") -> Row:
+def _mla(heads, batch, length, block_size, gen, dev="cuda") -> list[Row]:
     import torch
 
     from dsquant.runtime.kernels.kv_fp8_layout import mla_fp8_token_bytes, quantize_mla_fp8
@@ -65,14 +66,20 @@ def _mla(heads, batch, length, block_size, gen, dev="cuda") -> Row:
     def bf16():
         return mla_decode_attention(q_abs, q_pe, cache, table, lens, scale, max_seq_len=length, out=out)
 
-    def fp8():
-        return mla_decode_attention(q_abs, q_pe, cache8, table, lens, scale, max_seq_len=length, out=out8)
+    def fp8(config=MLADecodeConfig()):
+        return mla_decode_attention(q_abs, q_pe, cache8, table, lens, scale, max_seq_len=length, out=out8,
+                                    config=config)
 
     check = _rel(fp8(), bf16())
     (g, e), (pg, pe) = _time(fp8), _time(bf16)
     bytes_read = batch * length * mla_fp8_token_bytes(RANK, ROPE)
-    return Row("mla_fp8", f"H={heads} B={batch} L={length} bs={block_size}", g, e, pg, pe, pg / g,
-               bytes_read / g / 1e3, "GB/s", check, str(MLADecodeConfig()))
+    what = f"H={heads} B={batch} L={length} bs={block_size}"
+    rows = [Row("mla_fp8", what, g, e, pg, pe, pg / g, bytes_read / g / 1e3, "GB/s", check, str(MLADecodeConfig()))]
+    old = MLADecodeConfig(fold_fp8_scales=False)  # the dequantizing kernel, for the record
+    check = _rel(fp8(old), bf16())
+    (g, e) = _time(lambda: fp8(old))
+    rows.append(Row("mla_fp8_dequant", what, g, e, pg, pe, pg / g, bytes_read / g / 1e3, "GB/s", check, str(old)))
+    return rows
 
 
 def fp8_rows(block_size: int, gen, emit) -> list[Row]:
@@ -85,7 +92,8 @@ def fp8_rows(block_size: int, gen, emit) -> list[Row]:
         emit(rows[-1])
         torch.cuda.empty_cache()
     for heads, batch, length in FP8_MLA:
-        rows.append(_mla(heads, batch, length, block_size, gen))
-        emit(rows[-1])
+        for row in _mla(heads, batch, length, block_size, gen):
+            rows.append(row)
+            emit(row)
         torch.cuda.empty_cache()
     return rows

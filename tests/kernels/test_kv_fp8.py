@@ -231,7 +231,9 @@ def _check_mla(device, dtype, seq_lens, block_size, heads, rank, rope, config):
         assert (o - r).norm() <= 1e-2 * r.norm() + 1e-6
 
 
-@pytest.mark.parametrize("rank", [128, 256])  # one scale group, two
+# one, two and four scale groups (the scales folded into the dots: mla_decode_fp8.py); eight (the
+# dequantizing path of mla_decode.py)
+@pytest.mark.parametrize("rank", [128, 256, 512, 1024])
 @pytest.mark.parametrize("heads,splits", [(4, 1), (20, 3)])  # a partial head tile; split-KV merge
 def test_mla_decode_fp8_cpu(rank, heads, splits, device):
     from dsquant.runtime.kernels.mla_decode import MLADecodeConfig

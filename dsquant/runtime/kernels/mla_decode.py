@@ -13,8 +13,9 @@ Layouts
 - out [B, H, R] in q_nope's dtype: the attention output in latent space.
 - FP8 cache (--kv-cache-dtype fp8): kv_cache is uint8 [num_blocks, block_size, R + 4R/128 + 2P],
   FlashMLA's token layout (kv_fp8_layout.py): e4m3 latent, one fp32 scale per 128 latent values,
-  rope key in bf16 (fp16 for an fp16 model). Each latent tile is dequantized in registers to
-  q_nope's dtype (q * scale, rounded once) before both dots.
+  rope key in bf16 (fp16 for an fp16 model). Up to R = 512, mla_decode_fp8.py's kernel runs it, the
+  per-(token, 128-group) scales folded into the dots; beyond, each latent tile is dequantized in
+  registers to q_nope's dtype (q * scale, rounded once) before both dots.
 - scale: the softmax scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times YaRN's mscale^2
   when the config has rope_scaling (the caller computes it; it enters only here).
 
@@ -36,6 +37,7 @@ import triton.language as tl
 
 from dsquant.errors import DsquantError
 from dsquant.runtime.kernels.kv_fp8_layout import MLA_GROUP, fp8_rope_dtype, mla_fp8_token_bytes, mla_fp8_views
+from dsquant.runtime.kernels.mla_decode_fp8 import MAX_GROUPS, mla_decode_fp8_kernel
 from dsquant.runtime.kernels.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
 
 LOG2E = 1.4426950408889634
@@ -49,6 +51,7 @@ class MLADecodeConfig:
     num_warps: int = 0
     num_stages: int = 2
     num_splits: int = 0
+    fold_fp8_scales: bool = True  # FP8 cache: mla_decode_fp8.py's kernel (R <= 512); False: dequantize tiles
 
 
 @triton.jit
@@ -200,7 +203,10 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
         latent, scales, pe = mla_fp8_views(kv_cache, rank, q_pe.shape[2], fp8_rope_dtype(q_pe.dtype))
     else:
         latent, scales, pe = kv_cache[..., :rank], kv_cache, kv_cache[..., rank:]  # scales unused
-    _mla_decode_kernel[(batch, head_blocks, splits)](
+    folded = fp8 and config.fold_fp8_scales and scales.shape[-1] <= MAX_GROUPS  # the scales folded into the dots (mla_decode_fp8.py)
+    kernel = mla_decode_fp8_kernel if folded else _mla_decode_kernel
+    fp8_args = {} if folded else {"KV_FP8": fp8}
+    kernel[(batch, head_blocks, splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1),
         q_pe, q_pe.stride(0), q_pe.stride(1),
         latent, latent.stride(0), latent.stride(1),
@@ -211,8 +217,8 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
         part_out, part_lse,
         scale * LOG2E, splits, heads,
         RANK=rank, ROPE=q_pe.shape[2], BLOCK_H=block_h, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=config.block_n,
-        IS_SPLIT=is_split, KV_FP8=fp8, GROUPS=max(1, scales.shape[-1]) if fp8 else 1, GROUP=MLA_GROUP,
-        num_warps=num_warps, num_stages=config.num_stages,
+        IS_SPLIT=is_split, GROUPS=max(1, scales.shape[-1]) if fp8 else 1, GROUP=MLA_GROUP,
+        num_warps=num_warps, num_stages=config.num_stages, **fp8_args,
     )
 
 
