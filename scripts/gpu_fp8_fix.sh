@@ -44,8 +44,8 @@ for step in "$@"; do
     tune1|tune4) b=${step#tune}; timeout "${TUNE_S:-290}" python3 -m dsquant tune dsquant/assets/models/dsq-tiny-v3 \
            --device cuda --max-ppl-increase "$b" --batch 1,64 --latency-cache /tmp/tune-latency -o /tmp/tune-b$b \
            > "$OUT/tune-b$b.txt" 2>&1; echo "tune rc=$?" >> "$OUT/tune-b$b.txt"; 
-         (cd /tmp/tune-b$b && tar -czf "$OUT/tune-b$b.tgz" tune.json tune.md pareto.png recipe.yaml validate \
-           /tmp/tune-latency 2>/dev/null) ;;
+         mkdir -p "$OUT/tune-b$b"; (cd /tmp/tune-b$b && cp -r tune.json tune.md pareto.png recipe.yaml validate \
+           /tmp/tune-latency "$OUT/tune-b$b/" 2>/dev/null) ;;
     kvfp8) timeout "${KV_S:-200}" python3 -c "
 import torch
 from dsquant.bench.attention import _print
@@ -63,4 +63,6 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
   esac
   echo "== $step: $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
-tail -20 "$OUT/kvfp8.txt" 2>/dev/null; tail -3 "$OUT"/tune-b*.txt 2>/dev/null; tail -5 "$OUT"/tests-*.txt 2>/dev/null; cat "$OUT/probe.txt" 2>/dev/null; tail -4 "$OUT/gemm.txt" "$OUT/moe.txt" 2>/dev/null; tail -12 "$OUT/engine.txt" 2>/dev/null; tail -40 "$OUT/trained.txt" "$OUT/serve.txt" 2>/dev/null; grep -A14 "perplexity\|ppl" "$OUT/demo-cuda.txt" 2>/dev/null | tail -16; tail -14 "$OUT/demo-cpu-validate.txt" 2>/dev/null
+tail -24 "$OUT/kvfp8.txt" 2>/dev/null; tail -3 "$OUT"/tune-b*.txt 2>/dev/null; tail -5 "$OUT"/tests-*.txt 2>/dev/null; cat "$OUT/probe.txt" 2>/dev/null; tail -4 "$OUT/gemm.txt" "$OUT/moe.txt" 2>/dev/null; tail -12 "$OUT/engine.txt" 2>/dev/null; tail -40 "$OUT/trained.txt" "$OUT/serve.txt" 2>/dev/null; grep -A14 "perplexity\|ppl" "$OUT/demo-cuda.txt" 2>/dev/null | tail -16; tail -14 "$OUT/demo-cpu-validate.txt" 2>/dev/null
+# what comes back is limited in files: everything in one archive (steps.txt beside it)
+(cd "$OUT" && tar -czf /tmp/all.tgz --exclude=steps.txt . && find . -mindepth 1 ! -name steps.txt -delete && mv /tmp/all.tgz .)

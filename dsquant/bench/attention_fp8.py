@@ -4,8 +4,8 @@ same kernels over the bf16 cache holding the same values (issue 23: decode at 32
 Rows: GQA decode (D 128) and MLA decode (16 and 128 heads, latent 512 + rope 64, FlashMLA's 656-byte
 token) at L 4096 and 32768. `x peer` is the bf16 cache's time over the FP8 cache's (CUDA-graph
 medians), `achieved` the FP8 cache's bytes read per second, `check` the relative difference of the
-two outputs (the FP8 rounding: a few 1e-2). MLA rows come in pairs: the kernel that folds the scales
-into the dots (mla_decode_fp8.py, what runs) and the tile-dequantizing one it replaced.
+two outputs (the FP8 rounding: a few 1e-2). MLA rows come in threes: the tile-dequantizing kernel (what runs),
+the one that folds the scales into the dots (mla_decode_fp8.py) and the latter with fp16 dots.
 """
 from __future__ import annotations
 
@@ -75,10 +75,11 @@ def _mla(heads, batch, length, block_size, gen, dev="cuda") -> list[Row]:
     bytes_read = batch * length * mla_fp8_token_bytes(RANK, ROPE)
     what = f"H={heads} B={batch} L={length} bs={block_size}"
     rows = [Row("mla_fp8", what, g, e, pg, pe, pg / g, bytes_read / g / 1e3, "GB/s", check, str(MLADecodeConfig()))]
-    old = MLADecodeConfig(fold_fp8_scales=False)  # the dequantizing kernel, for the record
-    check = _rel(fp8(old), bf16())
-    (g, e) = _time(lambda: fp8(old))
-    rows.append(Row("mla_fp8_dequant", what, g, e, pg, pe, pg / g, bytes_read / g / 1e3, "GB/s", check, str(old)))
+    for kind, config in (("mla_fp8_folded", MLADecodeConfig(fold_fp8_scales=True)),
+                         ("mla_fp8_folded_f16", MLADecodeConfig(fold_fp8_scales=True, fp8_f16_dots=True))):
+        check = _rel(fp8(config), bf16())
+        (g, e) = _time(lambda config=config: fp8(config))
+        rows.append(Row(kind, what, g, e, pg, pe, pg / g, bytes_read / g / 1e3, "GB/s", check, str(config)))
     return rows
 
 

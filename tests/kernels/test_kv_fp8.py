@@ -231,14 +231,16 @@ def _check_mla(device, dtype, seq_lens, block_size, heads, rank, rope, config):
         assert (o - r).norm() <= 1e-2 * r.norm() + 1e-6
 
 
-# one, two and four scale groups (the scales folded into the dots: mla_decode_fp8.py); eight (the
-# dequantizing path of mla_decode.py)
+# one, two, four and eight scale groups; fold: mla_decode_fp8.py's kernel (scales folded into the dots,
+# R <= 512; R = 1024 keeps the dequantizing kernel), with fp16 dots too
 @pytest.mark.parametrize("rank", [128, 256, 512, 1024])
 @pytest.mark.parametrize("heads,splits", [(4, 1), (20, 3)])  # a partial head tile; split-KV merge
-def test_mla_decode_fp8_cpu(rank, heads, splits, device):
+@pytest.mark.parametrize("fold,f16", [(False, False), (True, False), (True, True)])
+def test_mla_decode_fp8_cpu(rank, heads, splits, fold, f16, device):
     from dsquant.runtime.kernels.mla_decode import MLADecodeConfig
 
-    config = MLADecodeConfig(block_h=16, block_n=16, num_stages=1, num_splits=splits)
+    config = MLADecodeConfig(block_h=16, block_n=16, num_stages=1, num_splits=splits, fold_fp8_scales=fold,
+                             fp8_f16_dots=f16)
     _check_mla(device, torch.float16, [1, 32, 16 * 3 + 5], 16, heads, rank, 16, config)
 
 
@@ -270,3 +272,5 @@ def test_fp8_read_kernels_gpu(dtype, device):
     _check_prefill(device, dtype, [0, 64, 1000], [200, 64, 1], 16, 4, 7, 128, block=64)
     for heads in (16, 128):
         _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig())
+        _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig(fold_fp8_scales=True))
+        _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig(fold_fp8_scales=True, fp8_f16_dots=True))

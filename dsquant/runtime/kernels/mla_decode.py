@@ -13,9 +13,10 @@ Layouts
 - out [B, H, R] in q_nope's dtype: the attention output in latent space.
 - FP8 cache (--kv-cache-dtype fp8): kv_cache is uint8 [num_blocks, block_size, R + 4R/128 + 2P],
   FlashMLA's token layout (kv_fp8_layout.py): e4m3 latent, one fp32 scale per 128 latent values,
-  rope key in bf16 (fp16 for an fp16 model). Up to R = 512, mla_decode_fp8.py's kernel runs it, the
-  per-(token, 128-group) scales folded into the dots; beyond, each latent tile is dequantized in
-  registers to q_nope's dtype (q * scale, rounded once) before both dots.
+  rope key in bf16 (fp16 for an fp16 model). Each latent tile is dequantized in registers to
+  q_nope's dtype (q * scale, rounded once) before both dots; MLADecodeConfig(fold_fp8_scales=True)
+  runs mla_decode_fp8.py's kernel instead (R <= 512: the per-(token, 128-group) scales folded into
+  the dots), measured slower on the H200 so far.
 - scale: the softmax scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times YaRN's mscale^2
   when the config has rope_scaling (the caller computes it; it enters only here).
 
@@ -51,7 +52,9 @@ class MLADecodeConfig:
     num_warps: int = 0
     num_stages: int = 2
     num_splits: int = 0
-    fold_fp8_scales: bool = True  # FP8 cache: mla_decode_fp8.py's kernel (R <= 512); False: dequantize tiles
+    fold_fp8_scales: bool = False  # FP8 cache: mla_decode_fp8.py's kernel (R <= 512) instead of dequantized
+    # tiles; off: on the H200 it ran 5-16% slower (BENCHMARKS.md, FP8 KV cache)
+    fp8_f16_dots: bool = False  # with fold_fp8_scales: both dots in fp16 (an experiment)
 
 
 @triton.jit
@@ -205,7 +208,7 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
         latent, scales, pe = kv_cache[..., :rank], kv_cache, kv_cache[..., rank:]  # scales unused
     folded = fp8 and config.fold_fp8_scales and scales.shape[-1] <= MAX_GROUPS  # the scales folded into the dots (mla_decode_fp8.py)
     kernel = mla_decode_fp8_kernel if folded else _mla_decode_kernel
-    fp8_args = {} if folded else {"KV_FP8": fp8}
+    fp8_args = {"F16_DOTS": config.fp8_f16_dots} if folded else {"KV_FP8": fp8}
     kernel[(batch, head_blocks, splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1),
         q_pe, q_pe.stride(0), q_pe.stride(1),

@@ -15,6 +15,8 @@ per (t, g):
 so each group is its own pair of tensor-core dots over a [BLOCK_N, 128] tile, with G accumulators
 [BLOCK_H, 128] in place of one [BLOCK_H, R]. Scores are exact in the scales (fp32 after the dot);
 the value side rounds p * scale to q's dtype once, as the dequantizing kernel rounds the latent.
+F16_DOTS (an experiment, off by default) runs both dots in fp16 whatever q's dtype: e4m3 converts to
+fp16 in one instruction per pair, to bf16 through fp16 and fp32.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def mla_decode_fp8_kernel(
     scale_log2, num_splits, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
-    GROUPS: tl.constexpr, GROUP: tl.constexpr,
+    GROUPS: tl.constexpr, GROUP: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -60,13 +62,14 @@ def mla_decode_fp8_kernel(
     hmask = heads < num_heads
     qmask = hmask[:, None] & (end > start)  # an empty split reads nothing
     q_row = qn_ptr + b * stride_qnb + heads[:, None] * stride_qnh + c[None, :]
-    q0 = tl.load(q_row, mask=qmask, other=0.0)  # [BLOCK_H, 128], one per group
+    dot_ty = tl.float16 if F16_DOTS else qn_ptr.dtype.element_ty  # the codes and q_nope in the dots
+    q0 = tl.load(q_row, mask=qmask, other=0.0).to(dot_ty)  # [BLOCK_H, 128], one per group
     q1, q2, q3 = q0, q0, q0
     if GROUPS > 1:
-        q1 = tl.load(q_row + GROUP, mask=qmask, other=0.0)
+        q1 = tl.load(q_row + GROUP, mask=qmask, other=0.0).to(dot_ty)
     if GROUPS > 2:
-        q2 = tl.load(q_row + 2 * GROUP, mask=qmask, other=0.0)
-        q3 = tl.load(q_row + 3 * GROUP, mask=qmask, other=0.0)
+        q2 = tl.load(q_row + 2 * GROUP, mask=qmask, other=0.0).to(dot_ty)
+        q3 = tl.load(q_row + 3 * GROUP, mask=qmask, other=0.0).to(dot_ty)
     q_pe = tl.load(qp_ptr + b * stride_qpb + heads[:, None] * stride_qph + p[None, :],
                    mask=qmask, other=0.0)  # [BLOCK_H, P]
 
