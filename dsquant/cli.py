@@ -7,6 +7,7 @@ import sys
 import click
 
 from dsquant import __version__
+from dsquant.assets import resolve_model_dir
 from dsquant.errors import DsquantError
 
 
@@ -20,24 +21,6 @@ def cli(ctx: click.Context, debug: bool) -> None:
     ctx.obj["debug"] = debug
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-
-
-def resolve_model_dir(arg: str) -> str:
-    """A path as given, or a bundled model's directory when `arg` names one and no such path exists."""
-    import os
-
-    from dsquant.assets import BUNDLED_MODELS, bundled_model_path
-
-    if not os.path.exists(arg) and arg in BUNDLED_MODELS:
-        return str(bundled_model_path(arg))
-    if not os.path.exists(arg):
-        import difflib
-
-        close = difflib.get_close_matches(arg, BUNDLED_MODELS, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise DsquantError(f"{arg}: no such directory, nor a bundled model (bundled: {', '.join(BUNDLED_MODELS)})"
-                           f"{hint}")
-    return arg
 
 
 @cli.command(short_help="Describe a checkpoint: architecture, layers, formats.")

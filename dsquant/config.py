@@ -7,11 +7,12 @@ checkpoints' own config.json; both the transformers-5 `rope_parameters` form and
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsquant.errors import ConfigError
+from dsquant.quant_config import read_json_object
+from dsquant.quant_config import resolve as resolve_quantization
 
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 DENSE_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -226,17 +227,6 @@ def _read_deepseek_fields(cfg: ModelConfig, raw: dict, where: str) -> None:
                               "moe_intermediate_size")
 
 
-def read_json_object(path: Path) -> dict:
-    """The JSON object in `path`; a ConfigError naming the file if it is not valid JSON or not an object."""
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return raw
-
-
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read `model_dir/config.json`; errors name the path and what was expected."""
     path = Path(model_dir)
@@ -249,9 +239,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{cfg_path}: missing; a checkpoint directory needs config.json")
     raw = read_json_object(cfg_path)
     cfg = config_from_dict(raw, str(cfg_path))
-    from dsquant.quant_config import resolve
-
-    quant, source = resolve(path, raw)
+    quant, source = resolve_quantization(path, raw)
     if quant is not None and "quantization_config" not in raw:
         cfg.side_quantization = quant
     cfg.quantization_source = source

@@ -15,11 +15,23 @@ stores z itself. Marlin / BitBLAS / other repacked formats are refused.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsquant.config import read_json_object
 from dsquant.errors import ConfigError
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path`; a ConfigError naming the file if it is not valid JSON or not an object."""
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return raw
+
 
 CONFIG_JSON = "config.json"
 AUTOAWQ_FILE = "quant_config.json"

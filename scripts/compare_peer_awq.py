@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsquant.calibrate.pipeline import QuantizeArgs, run_quantize
-from dsquant.cli import resolve_model_dir
+from dsquant.assets import resolve_model_dir
 from dsquant.data import calibration_samples, eval_tokens, sliding_window_perplexity
 from dsquant.data.tokenizer import load_tokenizer
 from dsquant.models import load_model

@@ -29,6 +29,23 @@ def bundled_models() -> list[str]:
     return [name for name in BUNDLED_MODELS if (ASSETS_DIR / "models" / name / "config.json").exists()]
 
 
+def resolve_model_dir(arg: str) -> str:
+    """A path as given, or a bundled model's directory when `arg` names one and no such path exists.
+    Every command and the Python API (LLM) resolve a MODEL / ARTIFACT argument here."""
+    import os
+
+    if not os.path.exists(arg) and arg in BUNDLED_MODELS:
+        return str(bundled_model_path(arg))
+    if not os.path.exists(arg):
+        import difflib
+
+        close = difflib.get_close_matches(arg, BUNDLED_MODELS, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise DsquantError(f"{arg}: no such directory, nor a bundled model (bundled: {', '.join(BUNDLED_MODELS)})"
+                           f"{hint}")
+    return arg
+
+
 def tokenizer_path() -> Path:
     """Directory of the bundled tokenizer (the same files sit in every bundled model dir)."""
     return ASSETS_DIR / "tokenizer"

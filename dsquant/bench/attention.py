@@ -16,62 +16,21 @@ cache against itself over the bf16 cache.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import click
 
+from dsquant.bench.attention_common import RANK, ROPE, Row, _paged_copy, _rel, _time
 from dsquant.cli_options import kv_cache_dtype_option
 
 GQA_SHAPES = [(1, 32, 8, 32768, 128), (32, 32, 8, 4096, 128), (64, 32, 8, 8192, 128)]
 MLA_HEADS, MLA_BATCHES, MLA_LENS = (16, 128), (1, 32, 64), (4096, 32768)
-RANK, ROPE, NOPE, V_DIM = 512, 64, 128, 128
+NOPE, V_DIM = 128, 128
 YARN_MSCALE = 0.1 * math.log(40.0) + 1.0  # DeepSeek-V3: mscale_all_dim 1.0, factor 40
-
-
-@dataclass
-class Row:
-    kind: str
-    shape: str
-    dsquant_graph_us: float
-    dsquant_eager_us: float
-    peer_graph_us: float | None
-    peer_eager_us: float | None
-    speedup_vs_peer: float | None  # peer time / dsquant time (graph replays)
-    achieved: float  # GB/s read (decode) or TFLOP/s (prefill), dsquant graph time
-    unit: str
-    check: float | None  # relative error vs the peer's output
-    config: str
-    best_sweep: str = ""
-    sweep: list | None = None  # [(graph us, config)] of every config tried under --sweep
-
-
-def _paged_copy(contig, block_size, gen):
-    """contig [B, L, ...] -> (cache [B*L/bs + 1, bs, ...] with blocks scattered, block_table [B, L/bs] int32)."""
-    import torch
-
-    batch, length = contig.shape[:2]
-    per_seq = length // block_size
-    perm = torch.randperm(batch * per_seq + 1, generator=gen)[: batch * per_seq]
-    table = perm.view(batch, per_seq).to(contig.device, torch.int32)
-    cache = torch.empty(batch * per_seq + 1, block_size, *contig.shape[2:], dtype=contig.dtype, device=contig.device)
-    cache[table.long().flatten()] = contig.reshape(batch * per_seq, block_size, *contig.shape[2:])
-    return cache, table
-
-
-def _time(fn):
-    from dsquant.bench.common import time_graph_and_eager
-
-    return time_graph_and_eager(fn)
 
 
 def _graph_only(fn) -> float:
     import triton.testing as tt
 
     return tt.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
-
-
-def _rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _sweep(run, configs) -> list:

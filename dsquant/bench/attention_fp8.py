@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from dsquant.bench.attention import RANK, ROPE, Row, _paged_copy, _rel, _time
+from dsquant.bench.attention_common import RANK, ROPE, Row, _paged_copy, _rel, _time
 
 FP8_GQA_SHAPES = [(32, 32, 8, 4096, 128), (32, 32, 8, 32768, 128)]
 FP8_MLA = [(16, 32, 4096), (16, 32, 32768), (128, 32, 4096), (128, 32, 32768)]  # (heads, batch, length)

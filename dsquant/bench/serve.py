@@ -142,7 +142,7 @@ def serve(url, artifact, model, api_key, dataset, corpus, tokenizer, input_len, 
 
 def _run_artifact(artifact, spec, levels, device, max_num_seqs, max_model_len):
     from dsquant.bench.serve_local import run_local_benchmark
-    from dsquant.cli import resolve_model_dir
+    from dsquant.assets import resolve_model_dir
     from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 
     path = resolve_model_dir(artifact)

@@ -125,7 +125,7 @@ def quantize(model_dir, recipe, scheme, algorithm, group_size, ignore, fmt, out_
     from tqdm import tqdm
 
     from dsquant.calibrate.pipeline import QuantizeArgs, run_quantize
-    from dsquant.cli import resolve_model_dir
+    from dsquant.assets import resolve_model_dir
 
     if calib is None and (calib_column is not None or calib_split is not None):
         raise click.UsageError("--calib-column and --calib-split need --calib PATH")

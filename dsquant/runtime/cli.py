@@ -47,7 +47,7 @@ def generate(artifact: str, prompt: str | None, prompt_file: str | None, chat: b
              stop: tuple[str, ...], max_tokens: int, temperature: float, top_p: float, top_k: int,
              **engine_opts) -> None:
     """Generate text from ARTIFACT (a checkpoint or artifact directory, or a bundled model name)."""
-    from dsquant.cli import resolve_model_dir
+    from dsquant.assets import resolve_model_dir
     from dsquant.runtime.engine.sequence import SamplingParams
     from dsquant.runtime.llm import LLM
 

@@ -24,7 +24,7 @@ def profile(artifact, decode_steps, prompt_len, batch_size, device, out_dir):
     each phase by layer type: attention, MLP/MoE, linear projections, norm/residual, sampler,
     other. Runs eagerly, without CUDA graphs, so every kernel is visible.
     """
-    from dsquant.cli import resolve_model_dir
+    from dsquant.assets import resolve_model_dir
     from dsquant.runtime.profile import render, run_profile
 
     result = run_profile(resolve_model_dir(artifact), out_dir, device, prompt_len, decode_steps, batch_size)

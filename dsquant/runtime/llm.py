@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsquant.assets import resolve_model_dir
 from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
 
@@ -26,7 +27,7 @@ class LLM:
             config = EngineConfig(**overrides)
         elif overrides:
             raise TypeError("pass either config or keyword overrides, not both")
-        self.engine = LLMEngine(_resolve(path), config)
+        self.engine = LLMEngine(resolve_model_dir(str(path)), config)
 
     def close(self) -> None:
         """Stop tensor-parallel workers (if any); also runs at interpreter exit."""
@@ -53,12 +54,3 @@ class LLM:
                     done[out.request_id] = CompletionOutput(out.request_id, out.prompt_token_ids, out.token_ids,
                                                             out.text, out.finish_reason, out.num_cached_tokens)
         return [done[r] for r in order]
-
-
-def _resolve(path: str | Path) -> Path:
-    from dsquant.assets import BUNDLED_MODELS, bundled_model_path
-
-    p = Path(path)
-    if not p.exists() and str(path) in BUNDLED_MODELS:
-        return bundled_model_path(str(path))
-    return p

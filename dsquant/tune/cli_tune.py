@@ -79,7 +79,7 @@ def tune(model_dir, out_dir, max_ppl_increase, max_kl, max_weight_gb, batch, sch
     """
     import torch
 
-    from dsquant.cli import resolve_model_dir
+    from dsquant.assets import resolve_model_dir
     from dsquant.tune.runner import TuneArgs, run_tune
     from dsquant.validate.runner import set_cpu_threads
 

@@ -74,7 +74,7 @@ def _disk_bytes(path: str) -> int:
 
 
 def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict[str, Path]]:
-    from dsquant.cli import resolve_model_dir
+    from dsquant.assets import resolve_model_dir
     from dsquant.data import eval_tokens
     from dsquant.data.tokenizer import load_tokenizer
 

@@ -19,43 +19,17 @@ from pathlib import Path
 import torch
 
 from dsquant.errors import DsquantError
-from dsquant.models.layers import Backends
 from dsquant.runtime.engine.async_step import LaunchedStep, launch_step, must_drain
 from dsquant.runtime.engine.block_manager import BlockManager
 from dsquant.runtime.engine.checkpoint_files import eos_ids as _eos_ids, load_tokenizer  # noqa: F401 (re-exported)
 from dsquant.runtime.engine.detokenizer import IncrementalDetokenizer
-from dsquant.runtime.engine.model_runner import ModelRunner, RunnerConfig
+from dsquant.runtime.engine.engine_config import EngineConfig
+from dsquant.runtime.model_builder import build_runner
 from dsquant.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from dsquant.runtime.engine.sequence import SamplingParams, Sequence
 from dsquant.runtime.layers.kv_cache import check_kv_cache_dtype
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    device: str | None = None  # None: cuda when available
-    dtype: torch.dtype | None = None  # None: the checkpoint's float dtype
-    block_size: int = 16
-    num_blocks: int | None = None  # None: CUDA profiles; CPU divides kv_cache_memory
-    kv_cache_memory: int = 256 << 20  # CPU KV budget in bytes
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: config's max_position_embeddings
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    enforce_eager: bool = False
-    cuda_graph_max_batch: int = 64
-    verify_checksums: bool = True
-    seed: int = 0
-    tokenizer: str | None = None  # a directory with tokenizer.json; None: the model's
-    tensor_parallel_size: int = 1  # processes, one per GPU (gloo processes on CPU); runtime/parallel
-    kernels: bool | None = None  # Triton attention, fused MoE and quantized GEMMs; None: on CUDA (False: pure torch
-    # everywhere, the reference path; True on CPU runs attention/MoE under TRITON_INTERPRET=1)
-    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8": e4m3 with per-token scales (layers/kv_cache.py)
-    async_scheduling: bool = True  # launch step N + 1 before reading step N's tokens (async_step.py);
-    # off under tensor parallelism. H200, V2-Lite shape: batch-1 decode +8-12%, 64 concurrent +14-18%
 
 
 @dataclass
@@ -74,49 +48,6 @@ class RequestOutput:
     # (logprob, {token id: logprob} of the top N)
     logprobs: list | None = None
     prompt_logprobs: list | None = None
-
-
-def build_runner(path: Path, c: EngineConfig, device: torch.device, reader=None, parallel=None,
-                 runner_cls=ModelRunner) -> ModelRunner:
-    """Load the model (this rank's shard when `parallel`, a ParallelState, has world size > 1) with
-    the attention / MoE backends `c` asks for, and its runner (`runner.model`)."""
-    from dsquant.runtime.loader import load_runtime_model
-
-    use_kernels = c.kernels if c.kernels is not None else device.type == "cuda"
-    if use_kernels:
-        from dsquant.runtime.layers.attention_triton import TritonPagedAttention
-        from dsquant.runtime.layers.moe import FusedMoE
-
-        from dsquant.runtime.layers.fused_linear import fuse_mla_input_projections
-
-        attention, moe = TritonPagedAttention(), FusedMoE()
-        sharded = parallel is not None and parallel.world_size > 1  # q_proj is split by heads there, kv_a is not
-
-        def prepare(decoder_layer):  # before each Linear repacks (and drops) its checkpoint tensors
-            attention.prepare(decoder_layer)
-            moe.prepare(decoder_layer)
-            if not sharded:
-                fuse_mla_input_projections(decoder_layer)
-    else:
-        from dsquant.runtime.layers.attention import TorchPagedAttention
-        from dsquant.runtime.layers.moe import LoopMoE
-
-        attention, moe, prepare = TorchPagedAttention(), LoopMoE(), None
-    model = load_runtime_model(path, Backends(attention=attention, moe=moe), c.dtype, device,
-                               verify=c.verify_checksums, prepare_layer=prepare,
-                               kernels=use_kernels, reader=reader, parallel=parallel)
-    if use_kernels:
-        from dsquant.runtime.layers.fused import use_fused_ops
-
-        # Triton RMSNorm (+ residual add), routing, SiLU-and-mul, MLA rope; CPU: under TRITON_INTERPRET
-        use_fused_ops(model)
-    dtype = next(model.parameters()).dtype if c.dtype is None else c.dtype
-    max_model_len = c.max_model_len or model.config.max_position_embeddings
-    return runner_cls(model, attention, RunnerConfig(
-        device=device, dtype=dtype, block_size=c.block_size, max_model_len=max_model_len,
-        max_num_batched_tokens=c.max_num_batched_tokens, enforce_eager=c.enforce_eager,
-        cuda_graph_max_batch=min(c.cuda_graph_max_batch, c.max_num_seqs), kv_cache_dtype=c.kv_cache_dtype),
-        seed=c.seed)
 
 
 class LLMEngine:

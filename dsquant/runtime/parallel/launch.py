@@ -107,7 +107,7 @@ def _send_stop(state: ParallelState) -> bool:
 
 def start_tensor_parallel(path: Path, config, device: torch.device) -> tuple[Workers, DriverRunner]:
     """Validate the split, spawn the workers, load rank 0's shard; return (workers, rank 0's runner)."""
-    from dsquant.runtime.engine.llm_engine import build_runner
+    from dsquant.runtime.model_builder import build_runner
 
     size = config.tensor_parallel_size
     check_tensor_parallel(load_config(path), size, device)

@@ -119,7 +119,7 @@ def serve_steps(runner: ModelRunner, state: ParallelState) -> None:
 
 def worker_main(rank: int, spec: WorkerSpec, ready) -> None:
     """Entry point of a spawned worker: join the groups, load the shard, say ready, follow rank 0."""
-    from dsquant.runtime.engine.llm_engine import build_runner
+    from dsquant.runtime.model_builder import build_runner
 
     torch.set_num_threads(spec.num_threads)
     try:

@@ -150,7 +150,7 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise DsquantError(f"dsquant serve needs {e.name}: pip install 'dsquant[serve]'") from e
-    from dsquant.cli import resolve_model_dir
+    from dsquant.assets import resolve_model_dir
     from dsquant.runtime.engine.llm_engine import LLMEngine
     from dsquant.runtime.server.app import create_app
 

@@ -1,0 +1,63 @@
+"""Building the served model: the backends a run asks for, the model loaded with them, its runner.
+
+The engine (engine/llm_engine.py) and the tensor-parallel workers (parallel/launch.py, worker.py)
+build through here, so the parallel code never imports the engine. What `build_runner` does:
+- chooses the attention and MoE backends (Triton paged attention and fused MoE with kernels on,
+  else the torch references), and on the kernel path the per-layer preparation that runs before
+  each Linear repacks its checkpoint tensors (experts stacked, MLA input projections fused);
+- loads the weights (runtime/loader.py: this rank's shard under tensor parallelism);
+- swaps in the fused Triton ops (RMSNorm, routing, SiLU-and-mul, rope) on the kernel path;
+- wraps the model in its ModelRunner (CUDA graphs, KV cache).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dsquant.models.layers import Backends
+from dsquant.runtime.engine.engine_config import EngineConfig
+from dsquant.runtime.engine.model_runner import ModelRunner, RunnerConfig
+
+
+def build_runner(path: Path, c: EngineConfig, device: torch.device, reader=None, parallel=None,
+                 runner_cls=ModelRunner) -> ModelRunner:
+    """Load the model (this rank's shard when `parallel`, a ParallelState, has world size > 1) with
+    the attention / MoE backends `c` asks for, and its runner (`runner.model`)."""
+    from dsquant.runtime.loader import load_runtime_model
+
+    use_kernels = c.kernels if c.kernels is not None else device.type == "cuda"
+    if use_kernels:
+        from dsquant.runtime.layers.attention_triton import TritonPagedAttention
+        from dsquant.runtime.layers.moe import FusedMoE
+
+        from dsquant.runtime.layers.fused_linear import fuse_mla_input_projections
+
+        attention, moe = TritonPagedAttention(), FusedMoE()
+        sharded = parallel is not None and parallel.world_size > 1  # q_proj is split by heads there, kv_a is not
+
+        def prepare(decoder_layer):  # before each Linear repacks (and drops) its checkpoint tensors
+            attention.prepare(decoder_layer)
+            moe.prepare(decoder_layer)
+            if not sharded:
+                fuse_mla_input_projections(decoder_layer)
+    else:
+        from dsquant.runtime.layers.attention import TorchPagedAttention
+        from dsquant.runtime.layers.moe import LoopMoE
+
+        attention, moe, prepare = TorchPagedAttention(), LoopMoE(), None
+    model = load_runtime_model(path, Backends(attention=attention, moe=moe), c.dtype, device,
+                               verify=c.verify_checksums, prepare_layer=prepare,
+                               kernels=use_kernels, reader=reader, parallel=parallel)
+    if use_kernels:
+        from dsquant.runtime.layers.fused import use_fused_ops
+
+        # Triton RMSNorm (+ residual add), routing, SiLU-and-mul, MLA rope; CPU: under TRITON_INTERPRET
+        use_fused_ops(model)
+    dtype = next(model.parameters()).dtype if c.dtype is None else c.dtype
+    max_model_len = c.max_model_len or model.config.max_position_embeddings
+    return runner_cls(model, attention, RunnerConfig(
+        device=device, dtype=dtype, block_size=c.block_size, max_model_len=max_model_len,
+        max_num_batched_tokens=c.max_num_batched_tokens, enforce_eager=c.enforce_eager,
+        cuda_graph_max_batch=min(c.cuda_graph_max_batch, c.max_num_seqs), kv_cache_dtype=c.kv_cache_dtype),
+        seed=c.seed)

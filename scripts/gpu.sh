@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# One device (H200) call: the named steps in order, each under its own time limit. Logs and JSON go
+# under $OUT, which comes back as one archive (all.tgz) with steps.txt beside it (each step's exit
+# code and seconds). Carry .wheels (../shared/wheels/h200-cp312; .wheels-extra for the HTTP bench
+# client) and, for `old`, .old (see below).
+# Usage: [ENV=...] scripts/gpu.sh STEP...
+#   tests:      new (the -m gpu tests of $TESTS), old (the same on the dsquant files kept under .old/,
+#               swapped in and back), gputests (every -m gpu test), restests (tests/kernels and
+#               tests/runtime without -m gpu, at full size), trained (the trained-model GPU accuracy test)
+#   main job:   demo (dsquant demo --device cuda, then a CPU validate of the same artifacts)
+#   kernels:    gemm, gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe, attention,
+#               kvfp8 (FP8-KV-cache decode rows), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
+#   engine:     engine, enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
+#               prompt), profile (scripts/gpu_engine_profile.py)
+#   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
+#               validate8 (RTN and FP8 artifacts of that shape validated against it)
+#   tune:       tune1, tune4, ... (dsquant tune of dsq-tiny-v3 at --max-ppl-increase N)
+# Each step's limit is an env variable (STEP_S, e.g. DEMO_S=300); see the case below.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/dsquant_triton_cache}
+OUT=${OUT:-out}; mkdir -p "$OUT"
+SITE=$(mktemp -d)
+if ls .wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .wheels/*.whl 2>&1 | tail -2
+fi
+for mod in httpx httpcore h11 anyio sniffio certifi idna; do  # the HTTP bench client's, only where missing
+  python3 -c "import $mod" 2>/dev/null || ! ls .wheels-extra/${mod}-*.whl >/dev/null 2>&1 || \
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .wheels-extra/${mod}-*.whl
+done
+export PYTHONPATH="$PWD:$SITE"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n ${WORKERS:-4}"
+W=${WORK:-$(mktemp -d)}
+M=dsquant/assets/models/dsq-tiny-v3
+swap() {  # swap the dsquant files under .old/ with the tree's
+  for f in $(cd .old && find dsquant -name '*.py'); do
+    cp "$f" "/tmp/swap.$$" && cp ".old/$f" "$f" && cp "/tmp/swap.$$" ".old/$f"
+  done
+}
+v2lite8_checkpoint() {
+  [ -d "$W/v2lite8" ] || python3 -c "
+import time
+from dsquant.bench.random_model import V2_LITE, write_random_checkpoint
+t = time.perf_counter()
+write_random_checkpoint('$W/v2lite8', {**V2_LITE, 'num_hidden_layers': ${LAYERS:-8}}, device='cuda')
+print(f'wrote the bf16 checkpoint in {time.perf_counter() - t:.1f} s')"
+}
+for step in "$@"; do
+  start=$(date +%s)
+  case $step in
+    new) timeout "${TEST_S:-200}" python3 -m pytest -q -m gpu $XD -p no:cacheprovider ${TESTS:-tests/kernels} \
+           --timeout 180 -rf -s 2>&1 | tail -${TAIL:-80} > "$OUT/tests-new.txt" ;;
+    old) swap; timeout "${TEST_S:-200}" python3 -m pytest -q -m gpu $XD -p no:cacheprovider ${TESTS:-tests/kernels} \
+           --timeout 180 -rf 2>&1 | tail -${TAIL:-60} > "$OUT/tests-old.txt"; swap ;;
+    gputests) timeout "${GPU_TESTS_S:-300}" python3 -m pytest -q -m gpu $XD -p no:cacheprovider tests/ \
+           --timeout 200 2>&1 | tail -40 > "$OUT/gputests.txt" ;;
+    restests) timeout "${REST_S:-110}" python3 -m pytest -q -m "not gpu" $XD -p no:cacheprovider tests/kernels \
+           tests/runtime --timeout 100 2>&1 | tail -25 > "$OUT/restests.txt" ;;
+    trained) timeout "${TRAINED_S:-540}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_trained_accuracy.py \
+           --timeout 530 -rfE -s --tb=short > "$OUT/trained.txt" 2>&1 ;;
+    demo) timeout "${DEMO_S:-300}" python3 -m dsquant demo --device cuda --out "$W/demo" > "$OUT/demo-cuda.txt" 2>&1
+          echo "demo rc=$?" >> "$OUT/demo-cuda.txt"
+          timeout "${CPUVAL_S:-200}" python3 -m dsquant validate "$W"/demo/{fp8-block,mixed-fp8attn-w4experts,awq-w4g128,gptq-w4g128} \
+             --baseline $M --device cpu --no-latency --no-peers --window 512 --stride 256 --max-eval-tokens 16384 \
+             --out "$W/demo-cpu" > "$OUT/demo-cpu-validate.txt" 2>&1
+          echo "cpu validate rc=$?" >> "$OUT/demo-cpu-validate.txt"
+          cp "$W/demo/report/report.json" "$OUT/demo-cuda-report.json" 2>/dev/null
+          cp "$W/demo-cpu/report.json" "$OUT/demo-cpu-report.json" 2>/dev/null ;;
+    gemm) timeout "${GEMM_S:-150}" python3 -m dsquant bench gemm --rep-ms 20 --m ${GEMM_M:-1,4,64,1024,4096} \
+            --json "$OUT/gemm.json" > "$OUT/gemm.txt" 2>&1 ;;
+    gemmsweep) timeout "${SWEEP_S:-240}" python3 scripts/gemm_sweep.py "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1 ;;
+    gemmbench) cfg=""; [ -s "$OUT/sweep.json" ] && cfg="--configs $OUT/sweep.json"
+            timeout "${GEMM_S:-200}" python3 -m dsquant bench gemm --rep-ms 25 $cfg --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1 ;;
+    minibench) timeout 60 python3 -m dsquant bench gemm --shapes 7168x4096 --m 1,1024 --rep-ms 20 \
+            --json "$OUT/minibench.json" > "$OUT/minibench.txt" 2>&1 ;;
+    gemv) timeout "${GEMV_S:-240}" python3 scripts/gemv_sweep.py "$OUT/gemv_sweep.json" ${GEMV_ARGS:-} > "$OUT/gemv.txt" 2>&1 ;;
+    moe) timeout "${MOE_S:-150}" python3 -m dsquant bench moe ${MOE_ARGS:-} --json "$OUT/moe.json" > "$OUT/moe.txt" 2>&1 ;;
+    attention) timeout "${ATT_S:-200}" python3 -m dsquant bench attention --sweep --peer-gb 100 \
+            --json "$OUT/attention.json" > "$OUT/attention.txt" 2>&1 ;;
+    kvfp8) timeout "${KV_S:-200}" python3 -c "
+import torch
+from dsquant.bench.attention import _print
+from dsquant.bench.attention_fp8 import fp8_rows
+from dsquant.bench.common import write_json
+rows = fp8_rows(64, torch.Generator().manual_seed(0), lambda r: _print([r]))
+write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1 ;;
+    probe) timeout 120 python3 scripts/fp8_cublas_probe.py "$OUT/fp8-cublas-probe.json" > "$OUT/probe.txt" 2>&1 ;;
+    cache) tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . ;;
+    engine) timeout "${ENGINE_S:-300}" python3 -m dsquant bench engine ${ENGINE_ARGS:---schemes int4,bf16,fp8 --modes async} \
+            --peer-batches "" --json "$OUT/engine.json" > "$OUT/engine.txt" 2>&1 ;;
+    enginefull) timeout "${ENGINE_S:-420}" python3 -m dsquant bench engine --schemes "${SCHEMES:-int4,fp8,bf16}" \
+            --serve 1,8,32,64 --peer-batches "${PEER:-1,16}" --json "$OUT/enginefull.json" > "$OUT/enginefull.txt" 2>&1 ;;
+    serve) timeout "${SERVE_S:-400}" python3 -m dsquant bench engine --schemes ${SERVE_SCHEMES:-fp8} --modes async \
+            --peer-batches "" --serve ${SERVE_C:-1,8,32,64} --json "$OUT/serve.json" > "$OUT/serve.txt" 2>&1 ;;
+    long) timeout "${LONG_S:-150}" python3 -m dsquant bench engine --schemes int4 --concurrency 0 --batch1-output 8 \
+            --long-context 131072 --peer-batches "" --json "$OUT/long.json" > "$OUT/long.txt" 2>&1 ;;
+    profile) timeout "${PROFILE_S:-150}" python3 scripts/gpu_engine_profile.py "$OUT" ${PROFILE_SCHEMES:-bf16 int4} \
+            > "$OUT/profile.txt" 2>&1 ;;
+    v3) timeout "${V3_S:-330}" python3 scripts/calib_plan.py "$OUT/calib-plan-v3.json" --workdir "$W/v3" \
+          --recipes "${V3_RECIPES:-awq-w4g128,rtn-w4g128}" --timeout "${V3_Q_S:-300}" > "$OUT/v3.txt" 2>&1
+        echo "v3 rc=$?" >> "$OUT/v3.txt"; du -sh "$W"/v3/* >> "$OUT/v3.txt" 2>&1 ;;
+    v2lite8) v2lite8_checkpoint > "$OUT/v2lite8.log" 2>&1
+        /usr/bin/time -v timeout "${V2_S:-200}" python3 -m dsquant quantize "$W/v2lite8" --recipe "${V2_RECIPE:-awq-w4g128}" \
+            -o "$W/awq" --device cuda >> "$OUT/v2lite8.log" 2> "$OUT/v2lite8.err"
+        echo "quantize rc=$?" >> "$OUT/v2lite8.log"; cp "$W/awq/dsquant.json" "$OUT/v2lite8-manifest.json" 2>/dev/null ;;
+    validate8) v2lite8_checkpoint > "$OUT/validate8.txt" 2>&1
+        for r in rtn-w4g128 fp8-block; do
+          timeout 200 python3 -m dsquant quantize "$W/v2lite8" --recipe $r -o "$W/$r" --device cuda >> "$OUT/validate8.txt" 2>&1
+        done
+        timeout "${VALIDATE_S:-300}" python3 -m dsquant validate "$W/rtn-w4g128" "$W/fp8-block" --baseline "$W/v2lite8" \
+            --out "$OUT/validate8" --device cuda ${VARGS:-} >> "$OUT/validate8.txt" 2>&1 ;;
+    tune*) b=${step#tune}; timeout "${TUNE_S:-290}" python3 -m dsquant tune $M --device cuda --max-ppl-increase "$b" \
+           --batch 1,64 --latency-cache "$W/tune-latency" -o "$W/tune-b$b" > "$OUT/tune-b$b.txt" 2>&1
+         echo "tune rc=$?" >> "$OUT/tune-b$b.txt"; mkdir -p "$OUT/tune-b$b"
+         (cd "$W/tune-b$b" && cp -r tune.json tune.md pareto.png recipe.yaml validate "$W/tune-latency" "$OUT/tune-b$b/" 2>/dev/null) ;;
+    *) echo "unknown step $step" | tee -a "$OUT/steps.txt" ;;
+  esac
+  echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
+done
+for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
+for f in kvfp8 gemm moe engine enginefull serve long attention v3; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
+grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
+# what comes back is limited in files: everything in one archive (steps.txt beside it)
+(cd "$OUT" && tar -czf /tmp/all.tgz --exclude=steps.txt . && find . -mindepth 1 ! -name steps.txt -delete && mv /tmp/all.tgz .)
