@@ -17,6 +17,14 @@ def time_graph_and_eager(fn, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[fl
     return graph * 1e3, eager * 1e3
 
 
+def sync(device) -> None:
+    """Wait for the GPU when `device` is a CUDA one (timing boundaries); nothing on CPU."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def environment() -> dict:
     """Date, GPU and versions, recorded with every benchmark result."""
     import torch

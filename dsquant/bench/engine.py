@@ -28,6 +28,8 @@ from pathlib import Path
 
 import click
 
+from dsquant.bench.common import sync as _sync
+from dsquant.bench.engine_peer import hf_peer
 from dsquant.cli_options import check_device, kv_cache_dtype_option
 
 
@@ -53,13 +55,6 @@ class EngineBenchSpec:
     modes: tuple[str, ...] = ("sync", "async")  # engine stepping measured: "sync" and/or "async" scheduling
     config: dict = field(default_factory=dict)  # overrides of V2_LITE (tiny shapes for CPU tests)
     kv_cache_dtype: str = "auto"  # "fp8": the FlashMLA-layout FP8 KV cache
-
-
-def _sync(device) -> None:
-    import torch
-
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -189,47 +184,6 @@ def serve_runs(engine, spec: EngineBenchSpec, vocab: int) -> dict:
                 keep["offline_ratio"] = r["output_throughput"] / offline["output_throughput"]
             runs.append(keep)
     return {"offline": offline, "runs": runs}
-
-
-def hf_peer(spec: EngineBenchSpec) -> list[dict]:
-    """transformers' generate on the BF16 random model: tokens/s at each batch (input 512)."""
-    import torch
-    import transformers
-
-    from dsquant.bench.random_model import V2_LITE
-
-    cfg_dict = {**V2_LITE, **spec.config}
-    if spec.num_layers:
-        cfg_dict["num_hidden_layers"] = spec.num_layers
-    cfg_dict.pop("architectures", None)
-    config = transformers.DeepseekV2Config(**cfg_dict)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: no fp32 copy of 15.7B
-    try:
-        with torch.device(spec.device):
-            model = transformers.DeepseekV2ForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    rows = []
-    for b in spec.peer_batches:
-        x = torch.randint(10, 32000 if config.vocab_size > 32000 else config.vocab_size, (b, spec.input_len),
-                          device=spec.device)
-        timings = {}
-        for n in (1, spec.peer_output):
-            model.generate(x, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
-            _sync(spec.device)
-            t = time.perf_counter()
-            model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            _sync(spec.device)
-            timings[n] = time.perf_counter() - t
-        rows.append({"batch": b, "output_tokens": spec.peer_output, "wall_s": timings[spec.peer_output],
-                     "output_tok_s": b * spec.peer_output / timings[spec.peer_output],
-                     "decode_tok_s": b * (spec.peer_output - 1) / (timings[spec.peer_output] - timings[1])})
-    del model
-    gc.collect()
-    if spec.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return rows
 
 
 def run_engine_bench(spec: EngineBenchSpec, json_path: str | None) -> dict:
