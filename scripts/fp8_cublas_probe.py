@@ -12,8 +12,8 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from dsquant.runtime.kernels.fp8_gemm import cublas_scale_layout  # noqa: E402
-from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8  # noqa: E402
+from dsquant.runtime.kernels.gemm.fp8_gemm import cublas_scale_layout  # noqa: E402
+from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8  # noqa: E402
 from tests.kernels.fp8_cases import fp8_weights  # noqa: E402
 from tests.realistic_weights import max_block_rel_err  # noqa: E402
 

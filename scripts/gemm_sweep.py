@@ -14,10 +14,10 @@ import torch
 import triton.testing as tt
 
 from dsquant import formats as F
-from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
-from dsquant.runtime.kernels.gemm_configs import GemmConfig, m_bucket
-from dsquant.runtime.kernels.w4a16_gemm import w4a16_linear
-from dsquant.runtime.kernels.w4a16_repack import repack_awq
+from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
+from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, m_bucket
+from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_linear
+from dsquant.runtime.kernels.gemm.w4a16_repack import repack_awq
 
 SHAPES = [(2048, 10944), (2048, 2816), (7168, 4096), (7168, 18432)]
 DECODE_M = [1, 64]

@@ -19,10 +19,10 @@ import triton.testing as tt
 
 from dsquant import formats as F
 from dsquant.bench.gemm import _tinygemm_pack
-from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
-from dsquant.runtime.kernels.gemm_configs import GemmConfig, fp8_gemv_candidates, fp8_tiled_config, w4a16_config
-from dsquant.runtime.kernels.w4a16_gemm import w4a16_linear
-from dsquant.runtime.kernels.w4a16_repack import dequantize_w4a16, repack_awq
+from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
+from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, fp8_gemv_candidates, fp8_tiled_config, w4a16_config
+from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_linear
+from dsquant.runtime.kernels.gemm.w4a16_repack import dequantize_w4a16, repack_awq
 
 SHAPES = [(7168, 18432), (7168, 4096), (2048, 10944), (2048, 2816)]
 M_VALUES = [1, 2, 4]

@@ -16,12 +16,12 @@ import sys
 
 import torch
 
-from dsquant.runtime.kernels.kv_store import store_latent
-from dsquant.runtime.kernels.mla_absorb import MERGE_UV_MAX_ROWS, mla_merge_uv, mla_prepare
-from dsquant.runtime.kernels.mla_decode import MLADecodeConfig, mla_decode_attention, mla_decode_split
-from dsquant.runtime.kernels.rmsnorm import rms_norm
-from dsquant.runtime.kernels.rope import apply_rope
-from dsquant.runtime.kernels.split_kv_merge import merge_splits
+from dsquant.runtime.kernels.attention.kv_store import store_latent
+from dsquant.runtime.kernels.attention.mla_absorb import MERGE_UV_MAX_ROWS, mla_merge_uv, mla_prepare
+from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig, mla_decode_attention, mla_decode_split
+from dsquant.runtime.kernels.ops.rmsnorm import rms_norm
+from dsquant.runtime.kernels.ops.rope import apply_rope
+from dsquant.runtime.kernels.attention.split_kv_merge import merge_splits
 
 H, NOPE, ROPE, R, V, BS = 16, 128, 64, 512, 128, 16
 dev, dt = "cuda", torch.bfloat16

@@ -143,7 +143,7 @@ def test_autogptq_quantize_config_json_and_gptq_v2_equal_v1(tmp_path, grids):
 
 
 def test_gptq_v2_repack_for_the_kernels_matches_dequantize():
-    from dsquant.runtime.kernels.w4a16_repack import dequantize_w4a16, repack_gptq
+    from dsquant.runtime.kernels.gemm.w4a16_repack import dequantize_w4a16, repack_gptq
 
     w = torch.randn(32, 128)
     q, s, z = formats.quantize_int_groupwise(w, 32)  # zero points may be 0: v2 stores them

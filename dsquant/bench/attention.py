@@ -46,7 +46,7 @@ def _gqa_decode(shape, block_size, sweep, gen, dev="cuda") -> Row:
     import torch
     import torch.nn.functional as F
 
-    from dsquant.runtime.kernels.paged_decode import DecodeConfig, paged_decode_attention
+    from dsquant.runtime.kernels.attention.paged_decode import DecodeConfig, paged_decode_attention
 
     batch, hq, hkv, length, dim = shape
     bf16 = torch.bfloat16 if dev == "cuda" else torch.float16
@@ -85,7 +85,7 @@ def _mla_decode(heads, batch, length, block_size, peer_gb, sweep, gen, dev="cuda
     import torch
     import torch.nn.functional as F
 
-    from dsquant.runtime.kernels.mla_decode import MLADecodeConfig, mla_decode_attention
+    from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig, mla_decode_attention
 
     bf16 = torch.bfloat16 if dev == "cuda" else torch.float16
     latent = torch.randn(batch, length, RANK + ROPE, device=dev, dtype=bf16)  # [B, L, 576]
@@ -139,7 +139,7 @@ def _gqa_prefill(batch, hq, hkv, length, dim, block_size, sweep, gen, dev="cuda"
     import torch
     import torch.nn.functional as F
 
-    from dsquant.runtime.kernels.paged_prefill import PrefillConfig, paged_prefill_attention
+    from dsquant.runtime.kernels.attention.paged_prefill import PrefillConfig, paged_prefill_attention
 
     bf16 = torch.bfloat16 if dev == "cuda" else torch.float16
     q = torch.randn(batch * length, hq, dim, device=dev, dtype=bf16)

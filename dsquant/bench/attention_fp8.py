@@ -20,8 +20,8 @@ FP8_MLA = [(16, 32, 4096), (16, 32, 32768), (128, 32, 4096), (128, 32, 32768)]  
 def _gqa(shape, block_size, gen, dev="cuda") -> Row:
     import torch
 
-    from dsquant.runtime.kernels.kv_fp8_layout import quantize_fp8
-    from dsquant.runtime.kernels.paged_decode import DecodeConfig, paged_decode_attention
+    from dsquant.runtime.kernels.attention.kv_fp8_layout import quantize_fp8
+    from dsquant.runtime.kernels.attention.paged_decode import DecodeConfig, paged_decode_attention
 
     batch, hq, hkv, length, dim = shape
     q = torch.randn(batch, hq, dim, device=dev, dtype=torch.bfloat16)
@@ -50,8 +50,8 @@ def _gqa(shape, block_size, gen, dev="cuda") -> Row:
 def _mla(heads, batch, length, block_size, gen, dev="cuda") -> list[Row]:
     import torch
 
-    from dsquant.runtime.kernels.kv_fp8_layout import mla_fp8_token_bytes, quantize_mla_fp8
-    from dsquant.runtime.kernels.mla_decode import MLADecodeConfig, mla_decode_attention
+    from dsquant.runtime.kernels.attention.kv_fp8_layout import mla_fp8_token_bytes, quantize_mla_fp8
+    from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig, mla_decode_attention
 
     latent = torch.randn(batch, length, RANK + ROPE, device=dev, dtype=torch.bfloat16)  # [B, L, 576]
     cache, table = _paged_copy(latent, block_size, gen)

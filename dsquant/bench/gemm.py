@@ -62,7 +62,7 @@ def _weights(k, n, group, seed):
     import torch
 
     from dsquant import formats as F
-    from dsquant.runtime.kernels.w4a16_repack import repack_awq
+    from dsquant.runtime.kernels.gemm.w4a16_repack import repack_awq
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)  # [N, K]
@@ -83,7 +83,7 @@ def load_configs(path):
     """Sweep output (scripts/gemm_sweep.py JSON) -> {(kind, m_bucket, n, k): GemmConfig}."""
     import json
 
-    from dsquant.runtime.kernels.gemm_configs import GemmConfig
+    from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig
 
     with open(path) as f:
         best = json.load(f)["best"]
@@ -95,7 +95,7 @@ def _fp8_configs(m, n, k, cfg_file, device):
     Triton tile configs, so they only replace a tiled choice."""
     from dataclasses import replace
 
-    from dsquant.runtime.kernels.gemm_configs import fp8_config, fp8_tiled_config
+    from dsquant.runtime.kernels.gemm.gemm_configs import fp8_config, fp8_tiled_config
 
     default = fp8_config(m, n, k, device)
     tiled = cfg_file or fp8_tiled_config(m, n, k, device)
@@ -108,11 +108,11 @@ def _methods(wts, x, group, configs=None):
     """name -> (fn, weight bytes, dense fp32 weight the method computes with, note)."""
     import torch
 
-    from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
-    from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8
-    from dsquant.runtime.kernels.w4a16_gemm import w4a16_linear
+    from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
+    from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8
+    from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_linear
 
-    from dsquant.runtime.kernels.gemm_configs import m_bucket
+    from dsquant.runtime.kernels.gemm.gemm_configs import m_bucket
 
     w, int4, (tg_packed, tg_qparams), (wq, ws) = wts["w"], wts["int4"], wts["tg"], wts["fp8"]
     m, k = x.shape
@@ -145,7 +145,7 @@ def _methods(wts, x, group, configs=None):
 def run_shape(k, n, m_values, group, rep_ms, seed=0, configs=None) -> list[GemmRow]:
     import torch
 
-    from dsquant.runtime.kernels.fp8_gemm import cublas_refused
+    from dsquant.runtime.kernels.gemm.fp8_gemm import cublas_refused
 
     wts = _weights(k, n, group, seed)
     rows = []

@@ -61,9 +61,9 @@ def build_layer(fmt: str, dense, device):
     import torch
 
     from dsquant import formats
-    from dsquant.runtime.kernels.fused_moe import MoeWeights, bf16_experts, split_shared_experts
-    from dsquant.runtime.kernels.fused_moe_fp8 import fp8_experts
-    from dsquant.runtime.kernels.fused_moe_int4 import int4_experts_from_awq
+    from dsquant.runtime.kernels.moe.fused_moe import MoeWeights, bf16_experts, split_shared_experts
+    from dsquant.runtime.kernels.moe.fused_moe_fp8 import fp8_experts
+    from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts_from_awq
 
     w13, w2, sgu, sd = dense
     s13, s2 = split_shared_experts(sgu, sd, N_SHARED)
@@ -130,7 +130,7 @@ def _random_dense(device, gen):
 def _routing(t, device, gen):
     import torch
 
-    from dsquant.runtime.kernels.fused_moe import with_shared_experts
+    from dsquant.runtime.kernels.moe.fused_moe import with_shared_experts
     from dsquant.models.routing import RoutingConfig, route
 
     x = torch.randn(t, H, generator=gen, device=device).to(torch.bfloat16)
@@ -144,9 +144,9 @@ def _sweep_rows(fmt, t, layers, routing, time_graph):
     quantize launch is not in the time; the fp8 GEMV rows include their in-kernel quantization)."""
     import torch
 
-    from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8
-    from dsquant.runtime.kernels.moe_align import moe_align_block_size
-    from dsquant.runtime.kernels.moe_gemm import GemmConfig, moe_gemm
+    from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8
+    from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size
+    from dsquant.runtime.kernels.moe.moe_gemm import GemmConfig, moe_gemm
 
     rows = []
     for cfg in [GemmConfig(*c) for c in SWEEP]:
@@ -185,8 +185,8 @@ def _sweep_gemv_rows(fmt, t, layers, routing, time_graph):
     GEMV_SPLITS config, whatever the pair count; then the fastest config per projection."""
     import torch
 
-    from dsquant.runtime.kernels.moe_gemv import default_split_k, effective_split, moe_gemv_int4
-    from dsquant.runtime.kernels.moe_gemv_fp8 import moe_gemv_fp8
+    from dsquant.runtime.kernels.moe.moe_gemv import default_split_k, effective_split, moe_gemv_int4
+    from dsquant.runtime.kernels.moe.moe_gemv_fp8 import moe_gemv_fp8
 
     gemv = moe_gemv_int4 if fmt == "int4" else moe_gemv_fp8
     pairs = t * (TOP_K + N_SHARED)
@@ -240,9 +240,9 @@ def moe(json_path, tokens, fmts, layers, sweep_fmts, sweep_tokens):
     import triton.testing as tt
 
     from dsquant.bench.common import time_graph_and_eager, write_json
-    from dsquant.runtime.kernels.fused_moe import fused_moe, pick_configs
-    from dsquant.runtime.kernels.moe_align import moe_align_block_size
-    from dsquant.runtime.kernels.moe_gemv import MOE_GEMV_MAX_PAIRS
+    from dsquant.runtime.kernels.moe.fused_moe import fused_moe, pick_configs
+    from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size
+    from dsquant.runtime.kernels.moe.moe_gemv import MOE_GEMV_MAX_PAIRS
 
     if not torch.cuda.is_available():
         raise click.ClickException("dsquant bench moe needs a CUDA GPU")

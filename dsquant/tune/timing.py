@@ -79,9 +79,9 @@ def time_linear(key: str, n: int, k: int, m: int, device: str, cpu_mode: str = "
 def _grouped(key: str, w: torch.Tensor):
     """bf16 experts [E, N, K] -> the fused kernel's GroupedWeight in scheme `key`."""
     from dsquant import formats
-    from dsquant.runtime.kernels.fused_moe import bf16_experts
-    from dsquant.runtime.kernels.fused_moe_fp8 import fp8_experts
-    from dsquant.runtime.kernels.fused_moe_int4 import int4_experts_from_awq
+    from dsquant.runtime.kernels.moe.fused_moe import bf16_experts
+    from dsquant.runtime.kernels.moe.fused_moe_fp8 import fp8_experts
+    from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts_from_awq
 
     if key == "bf16":
         return bf16_experts(w.contiguous())
@@ -103,7 +103,7 @@ def time_moe(key_13: str, key_2: str, n_experts: int, top_k: int, inter: int, hi
     distinct experts each. key_13 / key_2: the schemes of gate/up and of down (latency-table names).
     Where the two differ or the quantized grouped GEMM refuses the shape, the experts run bf16, as
     runtime/layers/moe.FusedMoE runs them."""
-    from dsquant.runtime.kernels.fused_moe import MoeWeights, bf16_experts, fused_moe
+    from dsquant.runtime.kernels.moe.fused_moe import MoeWeights, bf16_experts, fused_moe
 
     gen = torch.Generator(device="cuda").manual_seed(inter * 31 + hidden)
     w13 = (torch.randn(n_experts, 2 * inter, hidden, generator=gen, device="cuda") / hidden ** 0.5).bfloat16()

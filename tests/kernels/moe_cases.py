@@ -12,9 +12,9 @@ import functools
 import torch
 
 from dsquant import formats
-from dsquant.runtime.kernels.fused_moe import MoeWeights, bf16_experts
-from dsquant.runtime.kernels.fused_moe_fp8 import fp8_experts
-from dsquant.runtime.kernels.fused_moe_int4 import int4_experts_from_awq
+from dsquant.runtime.kernels.moe.fused_moe import MoeWeights, bf16_experts
+from dsquant.runtime.kernels.moe.fused_moe_fp8 import fp8_experts
+from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts_from_awq
 from tests.realistic_weights import FP8_TILE, max_block_rel_err, realistic_activations, realistic_weight
 
 FORMATS = ["bf16", "int4-g32", "int4-g64", "int4-g128", "fp8"]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dsquant.runtime.kernels.activation import silu_and_mul, silu_mul
+from dsquant.runtime.kernels.ops.activation import silu_and_mul, silu_mul
 
 
 def _reference(x: torch.Tensor) -> torch.Tensor:

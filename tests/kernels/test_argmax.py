@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dsquant.runtime.kernels.argmax import argmax
+from dsquant.runtime.kernels.ops.argmax import argmax
 
 
 def _logits(rows: int, vocab: int, dtype, device, seed: int) -> torch.Tensor:

@@ -19,9 +19,9 @@ Properties:
 import pytest
 import torch
 
-from dsquant.runtime.kernels.fp8_gemm import cublas_refused, fp8_block_linear
-from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8, per_token_group_quant_fp8_reference
-from dsquant.runtime.kernels.gemm_configs import GemmConfig, fp8_config
+from dsquant.runtime.kernels.gemm.fp8_gemm import cublas_refused, fp8_block_linear
+from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8, per_token_group_quant_fp8_reference
+from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, fp8_config
 from tests.kernels.fp8_cases import check_fp8_product, dequant_act, fp8_weights, poisoned
 
 
@@ -29,7 +29,7 @@ from tests.kernels.fp8_cases import check_fp8_product, dequant_act, fp8_weights,
 def test_cublas_scale_layout_pads_rows_to_four_blocks(nb, kb):
     """Same values, row pitch round_up(kb, 4) (any pitch for one row), unit column stride; a
     matrix already laid out so is returned as it is."""
-    from dsquant.runtime.kernels.fp8_gemm import cublas_scale_layout
+    from dsquant.runtime.kernels.gemm.fp8_gemm import cublas_scale_layout
 
     s = torch.rand(nb, kb) + 0.5
     out = cublas_scale_layout(s)

@@ -11,10 +11,10 @@ the GPU runs the same at full size in bf16, with the in-kernel quantizers.
 import pytest
 import torch
 
-from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear, fp8_block_linear_reference
-from dsquant.runtime.kernels.fp8_quant import (per_token_group_quant_fp8,
+from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear, fp8_block_linear_reference
+from dsquant.runtime.kernels.gemm.fp8_quant import (per_token_group_quant_fp8,
                                                per_token_group_quant_fp8_reference)
-from dsquant.runtime.kernels.gemm_configs import GemmConfig
+from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig
 from tests.kernels.fp8_cases import check_fp8_product, dequant_act, fp8_weights, poisoned
 
 M_VALUES = [1, 3, 17, 64, 300]

@@ -11,10 +11,10 @@ refused by cuBLAS with the Triton fallback).
 import pytest
 import torch
 
-from dsquant.runtime.kernels.fp8_gemm import cublas_refused, fp8_block_linear
-from dsquant.runtime.kernels.fp8_quant import (per_token_group_quant_fp8,
+from dsquant.runtime.kernels.gemm.fp8_gemm import cublas_refused, fp8_block_linear
+from dsquant.runtime.kernels.gemm.fp8_quant import (per_token_group_quant_fp8,
                                                per_token_group_quant_fp8_reference)
-from dsquant.runtime.kernels.gemm_configs import (FP8_CUBLAS_MIN_M, FP8_GEMV_MAX_WORK, FP8_GEMV_MAX_M, GemmConfig,
+from dsquant.runtime.kernels.gemm.gemm_configs import (FP8_CUBLAS_MIN_M, FP8_GEMV_MAX_WORK, FP8_GEMV_MAX_M, GemmConfig,
                                                   fp8_config, fp8_gemv_candidates)
 from tests.kernels.fp8_cases import check_fp8_product, dequant_act, fp8_weights, poisoned
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.kv_fp8_layout import (FP8_DTYPE, dequantize_fp8, dequantize_mla_fp8, mla_fp8_token_bytes,
+from dsquant.runtime.kernels.attention.kv_fp8_layout import (FP8_DTYPE, dequantize_fp8, dequantize_mla_fp8, mla_fp8_token_bytes,
                                                    mla_fp8_views, quantize_fp8, quantize_mla_fp8)
-from dsquant.runtime.kernels.reference_attention import (make_block_table, mla_decode_reference,
+from dsquant.runtime.kernels.attention.reference_attention import (make_block_table, mla_decode_reference,
                                                          paged_decode_reference, paged_prefill_reference)
 
 
@@ -84,7 +84,7 @@ def _store_case(device, dtype, kv_heads, head_dim, rank, rope, block_size, num_b
 
 
 def _check_store_kv_fp8(device, dtype, kv_heads, head_dim, block_size, num_blocks, exact_values: bool):
-    from dsquant.runtime.kernels.kv_store_fp8 import store_kv_fp8
+    from dsquant.runtime.kernels.attention.kv_store_fp8 import store_kv_fp8
 
     slots, key, value, _, _ = _store_case(device, dtype, kv_heads, head_dim, 128, 16, block_size, num_blocks)
     shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -109,7 +109,7 @@ def _check_store_kv_fp8(device, dtype, kv_heads, head_dim, block_size, num_block
 
 
 def _check_store_latent_fp8(device, dtype, rank, rope, block_size, num_blocks, exact_values: bool):
-    from dsquant.runtime.kernels.kv_store_fp8 import store_latent_fp8
+    from dsquant.runtime.kernels.attention.kv_store_fp8 import store_latent_fp8
 
     slots, _, _, kv_c, k_pe = _store_case(device, dtype, 1, 16, rank, rope, block_size, num_blocks)
     width = mla_fp8_token_bytes(rank, rope)
@@ -148,7 +148,7 @@ def test_store_fp8_gpu(block_size, dtype, device):
 
 # ----------------------------------------------------------------------------- read kernels
 def _check_decode(device, dtype, seq_lens, block_size, kv_heads, group, head_dim, splits, block_n=32):
-    from dsquant.runtime.kernels.paged_decode import DecodeConfig, paged_decode_attention
+    from dsquant.runtime.kernels.attention.paged_decode import DecodeConfig, paged_decode_attention
 
     gen = torch.Generator().manual_seed(sum(seq_lens) + block_size + group)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
@@ -174,7 +174,7 @@ def test_paged_decode_fp8_cpu(block_size, group, splits, device):
 
 
 def _check_prefill(device, dtype, ctx_lens, q_lens, block_size, kv_heads, group, head_dim, block=16):
-    from dsquant.runtime.kernels.paged_prefill import PrefillConfig, paged_prefill_attention
+    from dsquant.runtime.kernels.attention.paged_prefill import PrefillConfig, paged_prefill_attention
 
     gen = torch.Generator().manual_seed(sum(ctx_lens) + block_size * group)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
@@ -213,7 +213,7 @@ def _mla_cache(num_blocks, block_size, rank, rope, gen, dtype, device):
 
 
 def _check_mla(device, dtype, seq_lens, block_size, heads, rank, rope, config):
-    from dsquant.runtime.kernels.mla_decode import mla_decode_attention
+    from dsquant.runtime.kernels.attention.mla_decode import mla_decode_attention
 
     gen = torch.Generator().manual_seed(sum(seq_lens) + heads + rank)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 2
@@ -237,7 +237,7 @@ def _check_mla(device, dtype, seq_lens, block_size, heads, rank, rope, config):
 @pytest.mark.parametrize("heads,splits", [(4, 1), (20, 3)])  # a partial head tile; split-KV merge
 @pytest.mark.parametrize("fold,f16", [(False, False), (True, False), (True, True)])
 def test_mla_decode_fp8_cpu(rank, heads, splits, fold, f16, device):
-    from dsquant.runtime.kernels.mla_decode import MLADecodeConfig
+    from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig
 
     config = MLADecodeConfig(block_h=16, block_n=16, num_stages=1, num_splits=splits, fold_fp8_scales=fold,
                              fp8_f16_dots=f16)
@@ -245,8 +245,8 @@ def test_mla_decode_fp8_cpu(rank, heads, splits, fold, f16, device):
 
 
 def test_fp8_read_kernels_refuse_a_cache_without_scales(device):
-    from dsquant.runtime.kernels.mla_decode import mla_decode_attention
-    from dsquant.runtime.kernels.paged_decode import paged_decode_attention
+    from dsquant.runtime.kernels.attention.mla_decode import mla_decode_attention
+    from dsquant.runtime.kernels.attention.paged_decode import paged_decode_attention
 
     gen = torch.Generator().manual_seed(0)
     (kq, vq, _, _), _ = fp8_gqa_cache(2, 16, 1, 32, gen, torch.float16, device)
@@ -264,7 +264,7 @@ def test_fp8_read_kernels_refuse_a_cache_without_scales(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_fp8_read_kernels_gpu(dtype, device):
     """Full-size shapes: Llama/Qwen heads (D 128, groups 1 and 7), V2-Lite's 16 and V3's 128 MLA heads."""
-    from dsquant.runtime.kernels.mla_decode import MLADecodeConfig
+    from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig
 
     lens = [1, 64, 1000, 4096 + 7]
     _check_decode(device, dtype, lens, 16, 8, 1, 128, splits=0, block_n=64)

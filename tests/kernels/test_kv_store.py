@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.kv_store import store_kv, store_latent
-from dsquant.runtime.kernels.reference_attention import make_block_table, slots_for, store_kv_reference
+from dsquant.runtime.kernels.attention.kv_store import store_kv, store_latent
+from dsquant.runtime.kernels.attention.reference_attention import make_block_table, slots_for, store_kv_reference
 
 
 def _slots(seq_lens, new_tokens, block_size, num_blocks, gen):

@@ -8,7 +8,7 @@ import torch
 
 from dsquant.errors import DsquantError
 from dsquant.models.rope import apply_rope
-from dsquant.runtime.kernels.mla_absorb import mla_merge_uv, mla_prepare
+from dsquant.runtime.kernels.attention.mla_absorb import mla_merge_uv, mla_prepare
 
 
 def _rms_ref(x, w, eps):

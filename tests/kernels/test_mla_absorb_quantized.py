@@ -34,7 +34,7 @@ import torch
 from dsquant.config import ModelConfig
 from dsquant.models.attention import MLAttention
 from dsquant.models.layers import Backends
-from dsquant.runtime.kernels.reference_attention import gather_paged, make_block_table
+from dsquant.runtime.kernels.attention.reference_attention import gather_paged, make_block_table
 from dsquant.runtime.layers.attention import PagedContext
 from dsquant.runtime.layers.attention_triton import TritonPagedAttention
 from dsquant.runtime.layers.fused import TritonMLAttention
@@ -267,7 +267,7 @@ VARIANTS = [("mla", True, 132), ("fused", True, 132), ("fused", False, 8), ("mla
 
 
 def patch_sms(monkeypatch, sms: int) -> None:
-    from dsquant.runtime.kernels import mla_decode
+    from dsquant.runtime.kernels.attention import mla_decode
 
     monkeypatch.setattr(mla_decode, "num_sms", lambda device: sms)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dsquant.runtime.kernels.moe_align import MoeAlignment, max_padded_rows, moe_align_block_size
+from dsquant.runtime.kernels.moe.moe_align import MoeAlignment, max_padded_rows, moe_align_block_size
 
 
 def _poisoned(num_pairs, num_experts, block_m, device):

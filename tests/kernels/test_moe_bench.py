@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsquant.bench.moe import build_layer, expert_bytes, peer_layer, peer_plan
-from dsquant.runtime.kernels.fused_moe import fused_moe, with_shared_experts
+from dsquant.runtime.kernels.moe.fused_moe import fused_moe, with_shared_experts
 
 
 @pytest.mark.parametrize("fmt,tol", [("bf16", 4e-3), ("int4", 0.25), ("fp8", 0.08)])

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from dsquant import formats
-from dsquant.runtime.kernels.fused_moe import (fused_moe, pick_configs, split_shared_experts,
+from dsquant.runtime.kernels.moe.fused_moe import (fused_moe, pick_configs, split_shared_experts,
                                                with_shared_experts, MoeWeights, bf16_experts)
-from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8, quantize_act_fp8_torch
-from dsquant.runtime.kernels.moe_align import moe_align_block_size
-from dsquant.runtime.kernels.moe_gemm import GemmConfig, moe_gemm
+from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8, quantize_act_fp8_torch
+from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size
+from dsquant.runtime.kernels.moe.moe_gemm import GemmConfig, moe_gemm
 from dsquant.models.routing import RoutingConfig, route
-from dsquant.runtime.kernels.fused_moe_int4 import dequantize_int4_experts, int4_experts_from_awq
-from dsquant.runtime.kernels.reference_moe import moe_experts_reference
+from dsquant.runtime.kernels.moe.fused_moe_int4 import dequantize_int4_experts, int4_experts_from_awq
+from dsquant.runtime.kernels.moe.reference_moe import moe_experts_reference
 from tests.kernels.moe_cases import (FORMATS, V2_LITE, V3_REDUCED, awq_stack, check_close, draw_experts,
                                      hidden_states, int4_codes, make_experts, make_projection, pair_reference,
                                      poisoned, random_topk, realistic_projection, v2_lite_experts, v3_experts)

@@ -11,10 +11,10 @@ dense float64 weight the codes hold, and every check also bounds the worst 128-c
 import pytest
 import torch
 
-from dsquant.runtime.kernels.fused_moe import fused_moe, pick_configs
-from dsquant.runtime.kernels.moe_gemv import (MOE_GEMV_MAX_PAIRS, default_split_k, effective_split,
+from dsquant.runtime.kernels.moe.fused_moe import fused_moe, pick_configs
+from dsquant.runtime.kernels.moe.moe_gemv import (MOE_GEMV_MAX_PAIRS, default_split_k, effective_split,
                                               moe_gemv_int4)
-from dsquant.runtime.kernels.reference_moe import moe_experts_reference
+from dsquant.runtime.kernels.moe.reference_moe import moe_experts_reference
 from tests.kernels.moe_cases import (V3_REDUCED, check_close, draw_experts, hidden_states, make_experts, pair_case,
                                      pair_reference, poisoned, random_topk, realistic_projection,
                                      v2_lite_decode_case, v2_lite_experts, v3_experts)
@@ -161,7 +161,7 @@ def test_bench_gemv_sweep_rows_describe_their_config(fmt, device, monkeypatch):
     """bench moe --sweep's GEMV rows (small layer, one config, an explicit and the auto split):
     each names block_n, num_warps, split_k asked for and used per projection, and both times."""
     import dsquant.bench.moe as bench
-    from dsquant.runtime.kernels.fused_moe import with_shared_experts
+    from dsquant.runtime.kernels.moe.fused_moe import with_shared_experts
 
     for name, value in dict(E=4, N_SHARED=1, TOP_K=2, H=256, I=128, GEMV_SWEEP=[(16, 2)],
                             GEMV_SPLITS=[2, None]).items():

@@ -12,9 +12,9 @@ fp8 casts); the GPU runs the in-kernel quantizer in bf16 at V2-Lite shapes.
 import pytest
 import torch
 
-from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8, quantize_act_fp8_torch
-from dsquant.runtime.kernels.moe_gemv_fp8 import moe_gemv_fp8
-from dsquant.runtime.kernels.reference_moe import fp8_act_roundtrip
+from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8, quantize_act_fp8_torch
+from dsquant.runtime.kernels.moe.moe_gemv_fp8 import moe_gemv_fp8
+from dsquant.runtime.kernels.moe.reference_moe import fp8_act_roundtrip
 from tests.kernels.moe_cases import (check_close, pair_case, pair_reference, poisoned, realistic_projection,
                                      v2_lite_decode_case)
 

@@ -1,11 +1,11 @@
-"""The one-launch routing kernel (runtime/kernels/moe_route.py) against models/routing.select_experts:
+"""The one-launch routing kernel (runtime/kernels/moe/moe_route.py) against models/routing.select_experts:
 the same experts per token (as a set) and the same weights within fp32 rounding, for every scoring,
 top-k method, norm_topk_prob and scaling factor; outputs are poisoned before the launch."""
 import pytest
 import torch
 
 from dsquant.models.routing import RoutingConfig, select_experts
-from dsquant.runtime.kernels.moe_route import moe_route
+from dsquant.runtime.kernels.moe.moe_route import moe_route
 
 # (E, top_k, n_group, topk_group): tiny, V2-Lite, V2 (160 experts), V3 (256 experts)
 SHAPES = [(8, 2, 2, 1), (64, 6, 8, 3), (160, 6, 8, 3), (256, 8, 8, 4)]

@@ -3,7 +3,7 @@ reference that rounds where models/moe.py and DecoderLayer round; outputs poison
 import pytest
 import torch
 
-from dsquant.runtime.kernels.moe_sum import moe_sum
+from dsquant.runtime.kernels.moe.moe_sum import moe_sum
 
 
 def reference(pieces, weights, n_shared=0, shared=None, residual=None):

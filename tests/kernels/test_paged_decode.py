@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.paged_decode import DecodeConfig, paged_decode_attention
-from dsquant.runtime.kernels.reference_attention import make_block_table, paged_decode_reference
+from dsquant.runtime.kernels.attention.paged_decode import DecodeConfig, paged_decode_attention
+from dsquant.runtime.kernels.attention.reference_attention import make_block_table, paged_decode_reference
 
 
 def _run_case(device, dtype, seq_lens, block_size, kv_heads, group, head_dim, config, atol):
@@ -84,7 +84,7 @@ def test_paged_decode_gpu_forced_splits(splits, device):
 
 def test_split_heuristic_fills_the_gpu_only_when_needed():
     """One long sequence is split to fill ~4 waves of 132 SMs; a full batch is not; splits keep >= min_tokens."""
-    from dsquant.runtime.kernels.split_kv_merge import choose_num_splits
+    from dsquant.runtime.kernels.attention.split_kv_merge import choose_num_splits
 
     assert choose_num_splits(programs=8, max_seq_len=32768, min_tokens=256, sms=132) == 64  # capped
     assert choose_num_splits(programs=256, max_seq_len=4096, min_tokens=256, sms=132) == 3

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.kv_store import store_kv
-from dsquant.runtime.kernels.paged_prefill import PrefillConfig, paged_prefill_attention
-from dsquant.runtime.kernels.reference_attention import make_block_table, paged_prefill_reference, slots_for
+from dsquant.runtime.kernels.attention.kv_store import store_kv
+from dsquant.runtime.kernels.attention.paged_prefill import PrefillConfig, paged_prefill_attention
+from dsquant.runtime.kernels.attention.reference_attention import make_block_table, paged_prefill_reference, slots_for
 
 
 def _check(device, dtype, ctx_lens, q_lens, block_size, kv_heads, group, head_dim, config, atol):

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2RMSNorm
 
-from dsquant.runtime.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from dsquant.runtime.kernels.ops.rmsnorm import fused_add_rms_norm, rms_norm
 
 
 def _reference(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

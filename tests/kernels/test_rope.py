@@ -5,7 +5,7 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_em
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     apply_rotary_pos_emb, apply_rotary_pos_emb_interleave)
 
-from dsquant.runtime.kernels.rope import apply_rope
+from dsquant.runtime.kernels.ops.rope import apply_rope
 
 
 def _cache(max_pos, rot, device, factor=1.0):

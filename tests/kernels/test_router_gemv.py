@@ -3,8 +3,8 @@ random inputs, output poisoned; the top-k it implies equals the reference's."""
 import pytest
 import torch
 
-from dsquant.runtime.kernels import router_gemv
-from dsquant.runtime.kernels.router_gemv import router_logits
+from dsquant.runtime.kernels.moe import router_gemv
+from dsquant.runtime.kernels.moe.router_gemv import router_logits
 
 
 def _check(device, dtype, t, experts, hidden, seed):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dsquant import formats as F
-from dsquant.runtime.kernels.gemm_configs import GemmConfig
-from dsquant.runtime.kernels.w4a16_gemm import w4a16_dequantize, w4a16_linear
-from dsquant.runtime.kernels.w4a16_repack import (dequantize_w4a16, repack_awq, repack_gptq,
+from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig
+from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_dequantize, w4a16_linear
+from dsquant.runtime.kernels.gemm.w4a16_repack import (dequantize_w4a16, repack_awq, repack_gptq,
                                                   w4a16_linear_reference)
 from tests.realistic_weights import max_block_rel_err, realistic_activations, realistic_weight
 

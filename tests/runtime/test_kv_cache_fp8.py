@@ -174,7 +174,7 @@ def test_kernel_path_fp8_cache_gpu(name):
 
 
 def _torch_store_kv_fp8(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
-    from dsquant.runtime.kernels.kv_fp8_layout import quantize_fp8
+    from dsquant.runtime.kernels.attention.kv_fp8_layout import quantize_fp8
 
     keep = slot_mapping >= 0
     slots, hkv, d = slot_mapping[keep], k_cache.shape[2], k_cache.shape[3]
@@ -183,7 +183,7 @@ def _torch_store_kv_fp8(key, value, k_cache, v_cache, k_scale, v_scale, slot_map
 
 
 def _torch_store_latent_fp8(kv_c, k_pe, kv_cache, slot_mapping, rope_dtype):
-    from dsquant.runtime.kernels.kv_fp8_layout import quantize_mla_fp8
+    from dsquant.runtime.kernels.attention.kv_fp8_layout import quantize_mla_fp8
 
     keep = slot_mapping >= 0
     kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = quantize_mla_fp8(kv_c[keep], k_pe[keep], rope_dtype)
@@ -198,7 +198,7 @@ def test_kernel_path_reads_the_fp8_cache_cpu(name, monkeypatch):
     position: the two paths round the latent differently (e4m3 flips one value in a few), which can
     flip an expert choice at a rare position (tiny-v3, 40 positions: one at KL 0.5); a wiring error (a
     scale, a view, a slot) moves every position."""
-    import dsquant.runtime.kernels.kv_store_fp8 as kv_store_fp8
+    import dsquant.runtime.kernels.attention.kv_store_fp8 as kv_store_fp8
 
     monkeypatch.setattr(kv_store_fp8, "store_kv_fp8", _torch_store_kv_fp8)
     monkeypatch.setattr(kv_store_fp8, "store_latent_fp8", _torch_store_latent_fp8)

@@ -73,7 +73,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     (the CPU's bf16 argmax is several times slower than converting first)."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1" and logits.dtype != torch.bfloat16
     if logits.is_cuda or interpret:
-        from dsquant.runtime.kernels.argmax import argmax
+        from dsquant.runtime.kernels.ops.argmax import argmax
 
         return argmax(logits)
     return logits.to(torch.float32).argmax(dim=-1)

@@ -7,7 +7,7 @@ position seq_lens[b] - q_len_b + i and attends causally to cache positions 0 .. 
 
 Cache layouts (one entry per decoder layer, shared with the Triton kernels): kv_cache.py, for
 the model dtype and for FP8 (--kv-cache-dtype fp8: each token is quantized when stored, through
-kernels/kv_fp8_layout.py, and dequantized when read, so every key a query sees, its own included,
+kernels/attention/kv_fp8_layout.py, and dequantized when read, so every key a query sees, its own included,
 has been through the cache). slot_mapping[t] = block * block_size + offset of new token t.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from dsquant.runtime.kernels.kv_fp8_layout import (dequantize_fp8, dequantize_mla_fp8, quantize_fp8,
+from dsquant.runtime.kernels.attention.kv_fp8_layout import (dequantize_fp8, dequantize_mla_fp8, quantize_fp8,
                                                    quantize_mla_fp8)
 from dsquant.runtime.layers.kv_cache import KVCacheSpec
 

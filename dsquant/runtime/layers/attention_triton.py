@@ -45,13 +45,13 @@ class TritonPagedAttention(PagedAttentionBase):
         return w_uk.to(dtype), w_uv.to(dtype)
 
     def gqa(self, module, q, k, v, ctx: PagedContext):
-        from dsquant.runtime.kernels.kv_store import store_kv
-        from dsquant.runtime.kernels.paged_decode import paged_decode_attention
-        from dsquant.runtime.kernels.paged_prefill import paged_prefill_attention
+        from dsquant.runtime.kernels.attention.kv_store import store_kv
+        from dsquant.runtime.kernels.attention.paged_decode import paged_decode_attention
+        from dsquant.runtime.kernels.attention.paged_prefill import paged_prefill_attention
 
         k_cache, v_cache, *scales = self.caches_of(module)  # scales: (k_scale, v_scale) with fp8
         if self.spec.fp8:
-            from dsquant.runtime.kernels.kv_store_fp8 import store_kv_fp8
+            from dsquant.runtime.kernels.attention.kv_store_fp8 import store_kv_fp8
 
             store_kv_fp8(k[0], v[0], k_cache, v_cache, *scales, ctx.slot_mapping)
             k_scale, v_scale = scales
@@ -81,7 +81,7 @@ class TritonPagedAttention(PagedAttentionBase):
     def mla_fused(self, module, q, latent, ctx: PagedContext):
         """q [1, T, H, nope + rope] (q projection, rope part rotated in place), latent [1, T, R + rope]
         (kv_a projection, before its RMSNorm) -> [1, T, H, v]."""
-        from dsquant.runtime.kernels.mla_absorb import mla_prepare
+        from dsquant.runtime.kernels.attention.mla_absorb import mla_prepare
 
         (kv_cache,) = self.caches_of(module)
         w_uk, w_uv = self._absorbed(module, q.dtype)
@@ -103,19 +103,19 @@ class TritonPagedAttention(PagedAttentionBase):
     def _store_latent(self, kv_c, k_pe, kv_cache, slot_mapping) -> None:
         """kv_c [T, R], k_pe [T, P] into the layer's latent cache (quantized when it is FP8)."""
         if self.spec.fp8:
-            from dsquant.runtime.kernels.kv_store_fp8 import store_latent_fp8
+            from dsquant.runtime.kernels.attention.kv_store_fp8 import store_latent_fp8
 
             store_latent_fp8(kv_c, k_pe, kv_cache, slot_mapping, self.spec.rope_dtype)
         else:
-            from dsquant.runtime.kernels.kv_store import store_latent
+            from dsquant.runtime.kernels.attention.kv_store import store_latent
 
             store_latent(kv_c, k_pe, kv_cache, slot_mapping)
 
     def _attend_absorbed(self, module, q_abs, q_pe, kv_cache, w_uv, ctx: PagedContext):
         """q_abs [T, H, R], q_pe [T, H, rope] over the latent cache, back through W_UV -> [1, T, H, v]."""
-        from dsquant.runtime.kernels.mla_absorb import MERGE_UV_MAX_ROWS, mla_merge_uv
-        from dsquant.runtime.kernels.mla_decode import mla_decode_attention, mla_decode_split, prefill_rows
-        from dsquant.runtime.kernels.split_kv_merge import merge_splits
+        from dsquant.runtime.kernels.attention.mla_absorb import MERGE_UV_MAX_ROWS, mla_merge_uv
+        from dsquant.runtime.kernels.attention.mla_decode import mla_decode_attention, mla_decode_split, prefill_rows
+        from dsquant.runtime.kernels.attention.split_kv_merge import merge_splits
 
         t = q_abs.shape[0]
         if ctx.is_decode:

@@ -69,7 +69,7 @@ class CTPackedInt4Method(LinearMethod):
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.weight_packed):
             return super().process_weights_after_loading(layer)
-        from dsquant.runtime.kernels.w4a16_repack import W4A16Weights
+        from dsquant.runtime.kernels.gemm.w4a16_repack import W4A16Weights
 
         q, z, s = self._codes(layer)
         n, k = q.shape
@@ -111,7 +111,7 @@ class CTFloat8Method(LinearMethod):
             return super().process_weights_after_loading(layer)
         n, k = layer.weight.shape
         if self.strategy == "block":
-            from dsquant.runtime.kernels.fp8_gemm import cublas_scale_layout
+            from dsquant.runtime.kernels.gemm.fp8_gemm import cublas_scale_layout
 
             layer.scale_inv = cublas_scale_layout(layer.weight_scale.to(torch.float32).contiguous())
             layer.out_scale = None
@@ -123,7 +123,7 @@ class CTFloat8Method(LinearMethod):
     def apply(self, layer, x):
         if not self.use_kernels(x):
             return super().apply(layer, formats.fp8_activation_roundtrip(x) if self.dynamic_activations else x)
-        from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
+        from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 
         y = fp8_block_linear(x, layer.weight, layer.scale_inv,
                              weight_only=None if self.dynamic_activations else True)

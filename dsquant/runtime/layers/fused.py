@@ -3,7 +3,7 @@ costs 3-5 us in a CUDA graph), so the many elementwise torch kernels per layer a
 Triton launch each; scripts/count_decode_ops.py counts them per layer.
 
 `use_fused_ops(model)` (the engine calls it when kernels are on) re-classes, in place:
-  RMSNorm       -> TritonRMSNorm: one runtime/kernels/rmsnorm.py launch (x [..., H], weight [H])
+  RMSNorm       -> TritonRMSNorm: one runtime/kernels/ops/rmsnorm.py launch (x [..., H], weight [H])
   DecoderLayer  -> FusedAddNormDecoderLayer: the residual add after attention fused into
                    post_attention_layernorm (fused_add_rms_norm), one launch for add + norm; on
                    MoE layers the residual add after the MLP joins the experts' sum (TritonMoE).
@@ -48,7 +48,7 @@ class TritonRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not runs_triton(x):
             return super().forward(x)
-        from dsquant.runtime.kernels.rmsnorm import rms_norm
+        from dsquant.runtime.kernels.ops.rmsnorm import rms_norm
 
         return rms_norm(x, self.weight, self.eps)  # [..., H]
 
@@ -57,7 +57,7 @@ class FusedAddNormDecoderLayer(DecoderLayer):
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
         if not runs_triton(hidden):
             return super().forward(hidden, ctx)
-        from dsquant.runtime.kernels.rmsnorm import fused_add_rms_norm
+        from dsquant.runtime.kernels.ops.rmsnorm import fused_add_rms_norm
 
         # hidden [B, T, H]
         attn = self.self_attn(self.input_layernorm(hidden), ctx)
@@ -97,7 +97,7 @@ class TritonRouter(Router):
         """x [T, H] -> fp32 [T, E] in one GEMM (the reference: linear(x.float(), weight.float()))."""
         w = self.weight
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
-            from dsquant.runtime.kernels.router_gemv import ROUTER_GEMV_MAX_T, router_logits
+            from dsquant.runtime.kernels.moe.router_gemv import ROUTER_GEMV_MAX_T, router_logits
 
             if x.shape[0] <= ROUTER_GEMV_MAX_T and w.is_contiguous() and x.stride(-1) == 1:
                 return router_logits(x, w)  # decode: one Triton GEMV launch
@@ -113,10 +113,10 @@ class TritonRouter(Router):
             out = super().forward(x)
             if not n_shared:
                 return out
-            from dsquant.runtime.kernels.fused_moe import with_shared_experts
+            from dsquant.runtime.kernels.moe.fused_moe import with_shared_experts
 
             return with_shared_experts(*out, self.weight.shape[0], n_shared)
-        from dsquant.runtime.kernels.moe_route import moe_route
+        from dsquant.runtime.kernels.moe.moe_route import moe_route
 
         c = self.routing
         return moe_route(self.logits(x), c.top_k, c.scoring, c.topk_method, c.n_group, c.topk_group,
@@ -128,7 +128,7 @@ class TritonGatedMLP(GatedMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not runs_triton(x):
             return super().forward(x)
-        from dsquant.runtime.kernels.activation import silu_mul
+        from dsquant.runtime.kernels.ops.activation import silu_mul
 
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # [..., I] -> [..., H]
 
@@ -152,7 +152,7 @@ class TritonMLAttention(MLAttention):
     def rotate(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ctx):
         if not runs_triton(q_pe):
             return super().rotate(q_pe, k_pe, ctx)
-        from dsquant.runtime.kernels.rope import apply_rope
+        from dsquant.runtime.kernels.ops.rope import apply_rope
 
         b, t = q_pe.shape[:2]
         half = self.qk_rope_head_dim // 2

@@ -1,11 +1,11 @@
 """The paged KV cache's tensors: their dtype (`--kv-cache-dtype`), shapes, allocation and size.
 
 Per decoder layer, a tuple of tensors shared by the torch backend (attention.py) and the Triton
-kernels (runtime/kernels/kv_store*.py):
+kernels (runtime/kernels/attention/kv_store*.py):
   auto (the model dtype)
     GQA  (k_cache, v_cache)                    each [num_blocks, block_size, Hkv, D]
     MLA  (kv_cache,)                           [num_blocks, block_size, R + P] (latent, then rope key)
-  fp8 (e4m3 with dynamic scales; layouts in runtime/kernels/kv_fp8_layout.py)
+  fp8 (e4m3 with dynamic scales; layouts in runtime/kernels/attention/kv_fp8_layout.py)
     GQA  (k_cache, v_cache, k_scale, v_scale)  float8_e4m3fn [num_blocks, block_size, Hkv, D] and
                                                float32 [num_blocks, block_size, Hkv], per token and head
     MLA  (kv_cache,)                           uint8 [num_blocks, block_size, R + 4R/128 + 2P]
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.kv_fp8_layout import FP8_DTYPE, fp8_rope_dtype, mla_fp8_groups, mla_fp8_token_bytes
+from dsquant.runtime.kernels.attention.kv_fp8_layout import FP8_DTYPE, fp8_rope_dtype, mla_fp8_groups, mla_fp8_token_bytes
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_CACHE_ALIASES = {"fp8_e4m3": "fp8"}  # vLLM's spelling of the same thing

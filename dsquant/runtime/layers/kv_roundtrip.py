@@ -5,7 +5,7 @@ The paged cache stores each token's keys and values (MLA: latent and rope key) o
 query reads them back, its own token included (attention.py, attention_triton.py). Attending
 over quantize -> dequantize of the same tensors in one full-sequence pass is therefore the same
 computation: `KVCacheRoundTrip` does that with the torch functions the paged torch backend uses
-(kernels/kv_fp8_layout.py), and with kv_cache_dtype auto it is plain EagerAttention.
+(kernels/attention/kv_fp8_layout.py), and with kv_cache_dtype auto it is plain EagerAttention.
 
 `KVCacheSwitch` runs one loaded model under either cache dtype (it sets the backend's spec before
 each forward), so the cost of the FP8 cache is measured against the same weights with the
@@ -14,7 +14,7 @@ model-dtype cache, without a second copy of the model.
 from __future__ import annotations
 
 from dsquant.models.attention import EagerAttention
-from dsquant.runtime.kernels.kv_fp8_layout import dequantize_fp8, dequantize_mla_fp8, quantize_fp8, quantize_mla_fp8
+from dsquant.runtime.kernels.attention.kv_fp8_layout import dequantize_fp8, dequantize_mla_fp8, quantize_fp8, quantize_mla_fp8
 from dsquant.runtime.layers.kv_cache import KVCacheSpec
 
 

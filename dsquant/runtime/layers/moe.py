@@ -75,7 +75,7 @@ def _shared_as_experts(module, routed) -> list:
 
 
 class FusedMoE:
-    """CUDA experts backend over runtime/kernels/fused_moe.py."""
+    """CUDA experts backend over runtime/kernels/moe/fused_moe.py."""
 
     def __init__(self):
         self.weights: dict = {}  # MoE module -> MoeWeights
@@ -92,7 +92,7 @@ class FusedMoE:
         module = decoder_layer.mlp
         if not isinstance(module, MoE):
             return
-        from dsquant.runtime.kernels.fused_moe import MoeWeights
+        from dsquant.runtime.kernels.moe.fused_moe import MoeWeights
 
         experts = [e for e in module.experts if e is not None]  # None: held by another rank (expert parallel)
         # folded shared experts have the routed ones' shapes, so they never change what is refused
@@ -111,11 +111,11 @@ class FusedMoE:
                 proj._parameters.clear()
 
     def _grouped(self, module, experts, dense: bool = False):
-        from dsquant.runtime.kernels.fused_moe import bf16_experts
+        from dsquant.runtime.kernels.moe.fused_moe import bf16_experts
 
         method = "dense" if dense else experts[0].gate_proj.method.name
         if method == "awq":
-            from dsquant.runtime.kernels.fused_moe_int4 import int4_experts_from_awq
+            from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts_from_awq
 
             g = experts[0].gate_proj.method.group_size
             cat = {a: torch.cat([_stack(experts, "gate_proj", a), _stack(experts, "up_proj", a)], dim=-1)
@@ -123,7 +123,7 @@ class FusedMoE:
             w13 = int4_experts_from_awq(cat["qweight"], cat["qzeros"], cat["scales"], g)
             w2 = int4_experts_from_awq(*(_stack(experts, "down_proj", a) for a in ("qweight", "qzeros", "scales")), g)
         elif method == "fp8_block":
-            from dsquant.runtime.kernels.fused_moe_fp8 import fp8_experts
+            from dsquant.runtime.kernels.moe.fused_moe_fp8 import fp8_experts
 
             cat = {a: torch.cat([_stack(experts, "gate_proj", a), _stack(experts, "up_proj", a)], dim=1)
                    for a in ("weight", "weight_scale_inv")}
@@ -142,8 +142,8 @@ class FusedMoE:
     def experts(self, module, x, topk_ids, topk_weights, shared_output=None, residual=None):
         """x [T, hidden]; topk_ids, topk_weights [T, k]; shared_output, residual [T, hidden] or None
         -> [T, hidden]: the weighted expert sum (+ shared_output) (+ residual), the sum and adds in
-        one launch (kernels/moe_sum.py, rounding as the reference's separate adds)."""
-        from dsquant.runtime.kernels.fused_moe import fused_moe, with_shared_experts
+        one launch (kernels/moe/moe_sum.py, rounding as the reference's separate adds)."""
+        from dsquant.runtime.kernels.moe.fused_moe import fused_moe, with_shared_experts
 
         weights, n = self.weights[module], self.folded.get(module, 0)
         if n and topk_ids.shape[1] == module.gate.routing.top_k:  # routing without the shared columns

@@ -96,7 +96,7 @@ class AWQMethod(LinearMethod):
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.qweight):
             return super().process_weights_after_loading(layer)
-        from dsquant.runtime.kernels.w4a16_repack import repack_awq
+        from dsquant.runtime.kernels.gemm.w4a16_repack import repack_awq
 
         layer.w4 = repack_awq(layer.qweight, layer.qzeros, layer.scales, self._group(layer))
         self.release(layer, ("qweight", "qzeros", "scales"))
@@ -108,7 +108,7 @@ class AWQMethod(LinearMethod):
 
 
 def _w4a16_apply(layer, x: torch.Tensor) -> torch.Tensor:
-    from dsquant.runtime.kernels.w4a16_gemm import w4a16_linear
+    from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_linear
 
     y = w4a16_linear(x, layer.w4)  # [..., N] in x's dtype
     return y if layer.bias is None else y + layer.bias
@@ -141,7 +141,7 @@ class GPTQMethod(LinearMethod):
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.qweight):
             return super().process_weights_after_loading(layer)
-        from dsquant.runtime.kernels.w4a16_repack import repack_gptq
+        from dsquant.runtime.kernels.gemm.w4a16_repack import repack_gptq
 
         layer.w4 = repack_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, v2=self.v2)
         self.release(layer, ("qweight", "qzeros", "scales", "g_idx"))
@@ -180,7 +180,7 @@ class FP8BlockMethod(LinearMethod):
                 layer.cpu_weight = self.dequantized_weight(layer, torch.float32)  # [N, K]
                 return None
             return super().process_weights_after_loading(layer)
-        from dsquant.runtime.kernels.fp8_gemm import cublas_scale_layout
+        from dsquant.runtime.kernels.gemm.fp8_gemm import cublas_scale_layout
 
         # one layout for every kernel: the Triton ones read the strides, cuBLAS needs the padding
         layer.weight_scale_inv.data = cublas_scale_layout(layer.weight_scale_inv.data.to(torch.float32))
@@ -191,7 +191,7 @@ class FP8BlockMethod(LinearMethod):
                 return super().apply(layer, x)
             y = F.linear(formats.fp8_activation_roundtrip(x, dtype=torch.float32), layer.cpu_weight)
             return (y if layer.bias is None else y + layer.bias).to(x.dtype)
-        from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
+        from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 
         y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv,
                              weight_only=None if self.dynamic_activations else True)  # [..., N]

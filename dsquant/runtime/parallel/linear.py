@@ -163,7 +163,7 @@ class RowShardFP8Method(FP8BlockMethod):
         x = sharded_activation_roundtrip(x, self.k_start, self.k_total, self.state, self.block)
         if not self.use_kernels(x):
             return LinearMethod.apply(self, layer, x)
-        from dsquant.runtime.kernels.fp8_gemm import fp8_block_linear
+        from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 
         y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv, weight_only=True)  # [..., N]
         return y if layer.bias is None else y + layer.bias

@@ -29,11 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8, quant_group_fp8
-from dsquant.runtime.kernels.fp8_gemv import fp8_gemv
-from dsquant.runtime.kernels.gemm_configs import (DECODE_MAX_M, FP8_GEMV_MAX_M, GemmConfig,
+from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8, quant_group_fp8
+from dsquant.runtime.kernels.gemm.fp8_gemv import fp8_gemv
+from dsquant.runtime.kernels.gemm.gemm_configs import (DECODE_MAX_M, FP8_GEMV_MAX_M, GemmConfig,
                                                   fp8_config, fp8_tiled_config)
-from dsquant.runtime.kernels.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
+from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
 
 FP8_BLOCK = 128
 CUBLAS_ROWS = 16  # token counts padded to this for cuBLAS (the bench saw M = 1 refused, 4 taken)

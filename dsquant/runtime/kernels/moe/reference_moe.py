@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dsquant.formats import dequantize_fp8_block
-from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8_torch
+from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8_torch
 
 
 def fp8_act_roundtrip(x: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.activation import silu_mul_as_reference
-from dsquant.runtime.kernels.moe_align import MoeAlignment
+from dsquant.runtime.kernels.ops.activation import silu_mul_as_reference
+from dsquant.runtime.kernels.moe.moe_align import MoeAlignment
 
 FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
 

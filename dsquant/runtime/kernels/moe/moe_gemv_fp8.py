@@ -28,10 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.fp8_quant import quant_group_fp8
-from dsquant.runtime.kernels.moe_gemm import GroupedWeight
-from dsquant.runtime.kernels.moe_gemv import check_pair_gemv, pair_epilogue, pair_launch
-from dsquant.runtime.kernels.splitk import split_range
+from dsquant.runtime.kernels.gemm.fp8_quant import quant_group_fp8
+from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight
+from dsquant.runtime.kernels.moe.moe_gemv import check_pair_gemv, pair_epilogue, pair_launch
+from dsquant.runtime.kernels.gemm.splitk import split_range
 
 
 @triton.jit

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
+from dsquant.runtime.kernels.attention.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
 
 LOG2E = 1.4426950408889634
 

@@ -8,9 +8,9 @@ and the W_UK absorption einsum:
 - q_abs[t, h] = q_nope[t, h] @ W_UK[h]  -> q_abs [T, H, R] (q's dtype; fp32 accumulation, as the
   einsum it replaces).
 - latent [T, R + P]: the kv_a projection's output. kv_cache[slot[t]] = [rms_norm(latent[t, :R]) *
-  norm_weight ; rope(latent[t, R:])] (slot -1: skipped). The norm rounds as runtime/kernels/rmsnorm.py
+  norm_weight ; rope(latent[t, R:])] (slot -1: skipped). The norm rounds as runtime/kernels/ops/rmsnorm.py
   (normalised value rounded to the activation dtype before the weight multiply).
-- cos, sin [T, P/2] fp32, per token. Rope layouts as runtime/kernels/rope.py: "interleaved" input
+- cos, sin [T, P/2] fp32, per token. Rope layouts as runtime/kernels/ops/rope.py: "interleaved" input
   pairs (2i, 2i+1) or "neox" pairs (i, i + P/2); the output is always de-interleaved (i, i + P/2).
 - w_uk [H, nope, R] contiguous; kv_cache [num_blocks, block_size, R + P] contiguous.
 Program (token block, p): p < H * R/BLOCK_R computes the q_abs tile of head p // (R/BLOCK_R) (and,
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.split_kv_merge import split_weights, sum_live_partials
+from dsquant.runtime.kernels.attention.split_kv_merge import split_weights, sum_live_partials
 
 
 @triton.jit

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from dsquant.formats import fp8_block_shape, quantize_fp8_activations
-from dsquant.runtime.kernels.fp8_quant import per_token_group_quant_fp8
-from dsquant.runtime.kernels.moe_gemm import GroupedWeight
+from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8
+from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight
 
 ACT_GROUP = 128
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.splitk import split_range, splitk_buffers, store_tile
+from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile
 
 
 @triton.jit

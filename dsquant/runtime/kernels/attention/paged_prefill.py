@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.paged_decode import check_fp8_scales
+from dsquant.runtime.kernels.attention.paged_decode import check_fp8_scales
 
 LOG2E = 1.4426950408889634
 

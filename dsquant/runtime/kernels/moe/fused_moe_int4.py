@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dsquant.formats import pack_gptq_qweight, unpack_awq
-from dsquant.runtime.kernels.moe_gemm import GroupedWeight
+from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight
 
 GROUP_SIZES = (32, 64, 128)
 

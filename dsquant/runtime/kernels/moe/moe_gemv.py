@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.activation import silu_mul_as_reference
-from dsquant.runtime.kernels.moe_gemm import GroupedWeight, _int4_tile
-from dsquant.runtime.kernels.splitk import reduce_splits, split_range, splitk_buffers
+from dsquant.runtime.kernels.ops.activation import silu_mul_as_reference
+from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight, _int4_tile
+from dsquant.runtime.kernels.gemm.splitk import reduce_splits, split_range, splitk_buffers
 
 MOE_GEMV_MAX_PAIRS = 16  # fused_moe takes the GEMV for at most this many (token, expert) pairs
 # split-K rule: at least this many programs (about 10.6 one-warp programs per SM on 132 SMs), each

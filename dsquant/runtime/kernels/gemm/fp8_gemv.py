@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.fp8_quant import quant_group_fp8
-from dsquant.runtime.kernels.gemm_configs import FP8_GEMV_MAX_M
-from dsquant.runtime.kernels.splitk import split_range, splitk_buffers, store_tile
+from dsquant.runtime.kernels.gemm.fp8_quant import quant_group_fp8
+from dsquant.runtime.kernels.gemm.gemm_configs import FP8_GEMV_MAX_M
+from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile
 
 
 @triton.jit

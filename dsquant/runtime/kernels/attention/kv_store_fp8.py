@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.kv_fp8_layout import FP8_DTYPE, FP8_MAX, MIN_AMAX, MLA_GROUP, mla_fp8_views
-from dsquant.runtime.kernels.kv_store import _check_slots, _rows
+from dsquant.runtime.kernels.attention.kv_fp8_layout import FP8_DTYPE, FP8_MAX, MIN_AMAX, MLA_GROUP, mla_fp8_views
+from dsquant.runtime.kernels.attention.kv_store import _check_slots, _rows
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dsquant.runtime.kernels.fused_moe_fp8 import quantize_act_fp8
-from dsquant.runtime.kernels.moe_align import moe_align_block_size
-from dsquant.runtime.kernels.moe_gemm import GemmConfig, GroupedWeight, moe_gemm
-from dsquant.runtime.kernels.moe_gemv import MOE_GEMV_MAX_PAIRS, moe_gemv_int4, reserve_gemv_counters
-from dsquant.runtime.kernels.moe_sum import moe_sum
+from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8
+from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size
+from dsquant.runtime.kernels.moe.moe_gemm import GemmConfig, GroupedWeight, moe_gemm
+from dsquant.runtime.kernels.moe.moe_gemv import MOE_GEMV_MAX_PAIRS, moe_gemv_int4, reserve_gemv_counters
+from dsquant.runtime.kernels.moe.moe_sum import moe_sum
 
 
 @dataclass

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.split_kv_merge import split_bounds
+from dsquant.runtime.kernels.attention.split_kv_merge import split_bounds
 
 MAX_GROUPS = 4  # R <= 512; larger ranks run mla_decode.py's dequantizing path
 

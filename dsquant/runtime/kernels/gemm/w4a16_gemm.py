@@ -23,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.gemm_configs import GemmConfig, w4a16_config
-from dsquant.runtime.kernels.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
-from dsquant.runtime.kernels.w4a16_gemv import w4a16_gemv
-from dsquant.runtime.kernels.w4a16_repack import W4A16Weights
+from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, w4a16_config
+from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
+from dsquant.runtime.kernels.gemm.w4a16_gemv import w4a16_gemv
+from dsquant.runtime.kernels.gemm.w4a16_repack import W4A16Weights
 
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 

@@ -1,0 +1,1 @@
+"""Elementwise and small fused ops: RMSNorm (+ residual), SiLU-and-mul, rope, argmax."""
