@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -124,7 +125,13 @@ def test_new_metrics_count_what_was_served(llm, serve):
             r = c.post("/v1/completions", json={**b, "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200
             n_in, n_out = n_in + r.json()["usage"]["prompt_tokens"], n_out + r.json()["usage"]["completion_tokens"]
-        text = c.get("/metrics").text
+        # the response returns with the last token; the engine frees that request's KV blocks on its next
+        # step, so the usage gauge reaches 0 a moment later: scrape until it does (or 5 s pass)
+        for _ in range(100):
+            text = c.get("/metrics").text
+            if re.search(r'^vllm:kv_cache_usage_perc\{[^}]*\} 0\.0$', text, re.M):
+                break
+            time.sleep(0.05)
     m = {}
     for family in prom_parser.text_string_to_metric_families(text):
         for s in family.samples:
