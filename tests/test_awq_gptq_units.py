@@ -40,6 +40,23 @@ def test_awq_clip_search_never_worse_than_no_clip():
     assert output_error(x, w, clipped) <= output_error(x, w, fake_int(w, spec, torch.float16)) + 1e-6
 
 
+def test_clip_search_picks_each_groups_best_ratio_by_its_output_error():
+    torch.manual_seed(4)
+    x, w = torch.randn(300, 96) * (1 + 3 * torch.rand(96)), torch.randn(40, 96)
+    spec, opts = SchemeSpec("awq", 4, 32), AWQOptions(clip_grid=10)
+    xg = x.reshape(300, 3, 32)
+
+    def group_errors(ratio):  # sum_t (x_g . d_g)^2 computed directly over the tokens: [N, K/G]
+        d = (fake_int(w, spec, torch.float16, clip_ratio=ratio) - w).reshape(40, 3, 32)
+        return torch.einsum("tgj,ngj->tng", xg, d).pow(2).sum(0)
+
+    ratio = awq.search_clip(x, w, spec, opts, torch.float16)
+    chosen = group_errors(ratio)
+    for i in range(opts.clip_grid):
+        assert (chosen <= group_errors(1 - opts.max_shrink * i / opts.clip_grid) * (1 + 1e-5)).all()
+    assert (ratio < 1).any()
+
+
 def test_gptq_beats_rtn_on_correlated_inputs():
     torch.manual_seed(2)
     k, n = 256, 64

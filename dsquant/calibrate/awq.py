@@ -89,7 +89,8 @@ def search_scales(members: list[Member], opts: AWQOptions, scale_dtype: torch.dt
 
 def search_clip(x: torch.Tensor, w: torch.Tensor, spec: SchemeSpec, opts: AWQOptions,
                 scale_dtype: torch.dtype, max_tokens: int = 4096) -> torch.Tensor:
-    """Per (output row, group) shrink ratio [N, K/G] minimising that group's output error."""
+    """Per (output row, group) shrink ratio [N, K/G] minimising that group's output error on up to
+    max_tokens rows of x [T, K]."""
     n, k = w.shape
     g = spec.group_size
     ratio = torch.ones(n, k // g, device=w.device)
@@ -98,14 +99,14 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: SchemeSpec, opts: AWQOpt
     if x.shape[0] > max_tokens:
         x = x[torch.linspace(0, x.shape[0] - 1, max_tokens, device=x.device).long()]
     xg = x.reshape(x.shape[0], k // g, g)  # [T, K/G, G]
+    # a group's output error sum_t (x_g . d)^2 is d H_g d^T with H_g = x_g^T x_g (G x G per group),
+    # so a candidate costs N K G instead of T N K
+    gram = torch.einsum("tgi,tgj->gij", xg, xg)  # [K/G, G, G]
     best = torch.full((n, k // g), float("inf"), device=w.device)
     for i in range(opts.clip_grid):
         r = 1 - opts.max_shrink * i / opts.clip_grid
         diff = (fake_int(w, spec, scale_dtype, clip_ratio=r) - w).reshape(n, k // g, g)
-        err = torch.zeros(n, k // g, device=w.device)
-        for start in range(0, n, 1024):  # bound memory: [T, rows, K/G]
-            d = diff[start:start + 1024]
-            err[start:start + 1024] = torch.einsum("tgj,ngj->tng", xg, d).pow(2).sum(0)
+        err = (torch.einsum("ngi,gij->ngj", diff, gram) * diff).sum(-1)  # [N, K/G]
         better = err < best
         best = torch.where(better, err, best)
         ratio = torch.where(better, torch.full_like(ratio, r), ratio)
