@@ -11,7 +11,8 @@
 #   kernels:    gemm, gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe, attention,
 #               kvfp8 (FP8-KV-cache decode rows), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
 #   engine:     engine, enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
-#               prompt), profile (scripts/gpu_engine_profile.py)
+#               prompt), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
+#               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split)
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
 #               validate8 (RTN and FP8 artifacts of that shape validated against it)
 #   tune:       tune1, tune4, ... (dsquant tune of dsq-tiny-v3 at --max-ppl-increase N)
@@ -114,12 +115,18 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
            --batch 1,64 --latency-cache "$W/tune-latency" -o "$W/tune-b$b" > "$OUT/tune-b$b.txt" 2>&1
          echo "tune rc=$?" >> "$OUT/tune-b$b.txt"; mkdir -p "$OUT/tune-b$b"
          (cd "$W/tune-b$b" && cp -r tune.json tune.md pareto.png recipe.yaml validate "$W/tune-latency" "$OUT/tune-b$b/" 2>/dev/null) ;;
+    variance*) for r in fp8-block awq-w4g128; do  # variancepin: the same, the process pinned to one CPU
+          [ -d "$W/v-$r" ] || timeout 120 python3 -m dsquant quantize $M --recipe $r -o "$W/v-$r" --device cuda >> "$OUT/$step.txt" 2>&1
+        done
+        pin=""; [ "$step" = variancepin ] && pin="taskset -c ${PIN_CPU:-3}"
+        timeout "${VARIANCE_S:-300}" $pin python3 scripts/engine_variance.py "$OUT/$step.json" $M "$W/v-fp8-block" \
+            "$W/v-awq-w4g128" --rounds ${ROUNDS:-3} >> "$OUT/$step.txt" 2>&1 ;;
     *) echo "unknown step $step" | tee -a "$OUT/steps.txt" ;;
   esac
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
-for f in kvfp8 gemm moe engine enginefull serve long attention v3; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+for f in variance variancepin kvfp8 gemm moe engine enginefull serve long attention v3; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
 # what comes back is limited in files: everything in one archive (steps.txt beside it)
