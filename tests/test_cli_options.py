@@ -144,7 +144,7 @@ def test_serve_chat_template_tokenizer_and_request_log(monkeypatch, capsys, capl
 def fake_llm(monkeypatch):
     """generate against a stand-in LLM: records the prompt, the sampling params and the config."""
     import dsquant.runtime.llm as llm_mod
-    from dsquant.runtime.engine.llm_engine import load_tokenizer
+    from dsquant.data.tokenizer import backend_tokenizer
 
     seen = {}
 
@@ -154,7 +154,7 @@ def fake_llm(monkeypatch):
     class FakeLLM:
         def __init__(self, path, config):
             seen["path"], seen["config"] = str(path), config
-            self.engine = type("E", (), {"tokenizer": load_tokenizer(tokenizer_path())})()
+            self.engine = type("E", (), {"tokenizer": backend_tokenizer(tokenizer_path())})()
 
         def __enter__(self):
             return self
@@ -186,17 +186,17 @@ def test_generate_prompt_sources(fake_llm, tmp_path):
 
 
 def test_generate_chat_renders_the_template(fake_llm):
-    from dsquant.runtime.engine.llm_engine import load_tokenizer
+    from dsquant.data.tokenizer import backend_tokenizer
 
     r = CliRunner().invoke(cli, ["generate", "dsq-tiny-qwen2", "--device", "cpu", "--prompt", "Hello",
                                  "--system", "Be brief."])
     assert r.exit_code == 0, r.output
-    text = load_tokenizer(tokenizer_path()).decode(fake_llm["prompt"], skip_special_tokens=False)
+    text = backend_tokenizer(tokenizer_path()).decode(fake_llm["prompt"], skip_special_tokens=False)
     assert text.startswith("<｜begin▁of▁sentence｜>Be brief.\n<｜User｜>Hello<｜Assistant｜>"), text
     r = CliRunner().invoke(cli, ["generate", "dsq-tiny-qwen2", "--device", "cpu", "--prompt", "Hello", "--chat",
                                  "--chat-template", "{{ messages[0]['content'] }}!"])
     assert r.exit_code == 0
-    assert load_tokenizer(tokenizer_path()).decode(fake_llm["prompt"]) == "Hello!"
+    assert backend_tokenizer(tokenizer_path()).decode(fake_llm["prompt"]) == "Hello!"
 
 
 def test_generate_stop_on_the_real_engine():

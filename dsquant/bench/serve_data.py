@@ -44,12 +44,12 @@ class PromptSpec:
 def load_bench_tokenizer(path: str | Path | None):
     """tokenizers.Tokenizer from `path`/tokenizer.json (default: the bundled one); None if absent."""
     from dsquant.assets import tokenizer_path
-    from dsquant.runtime.engine.llm_engine import load_tokenizer
+    from dsquant.data.tokenizer import backend_tokenizer
 
     directory = Path(path) if path is not None else tokenizer_path()
     if path is not None and not directory.is_dir():
         raise DsquantError(f"--tokenizer {path}: no such directory (expected one holding tokenizer.json)")
-    return load_tokenizer(directory)
+    return backend_tokenizer(directory)
 
 
 def make_prompts(spec: PromptSpec, tokenizer, vocab_size: int | None = None) -> list[BenchPrompt]:

@@ -94,9 +94,9 @@ def run_local_benchmark(engine, spec: ServeBenchSpec, concurrencies: list[int | 
 
     Returns {"offline": offline_throughput(...), "runs": [run_serve_benchmark result + offline_ratio]}.
     """
-    from dsquant.runtime.engine.llm_engine import load_tokenizer
+    from dsquant.data.tokenizer import backend_tokenizer
 
-    tokenizer = load_tokenizer(engine.path) if spec.tokenizer is None else load_bench_tokenizer(spec.tokenizer)
+    tokenizer = backend_tokenizer(engine.path) if spec.tokenizer is None else load_bench_tokenizer(spec.tokenizer)
     prompts = make_prompts(spec.prompt_spec(), tokenizer, vocab_size=engine.model.config.vocab_size)
     need = max(len(p.token_ids) for p in prompts) + 1 + spec.output_len
     if need > engine.max_model_len:

@@ -6,7 +6,7 @@ and saved-dataset sources).
 from dsquant.data.calibration import calibration_samples
 from dsquant.data.evaluation import EvalWindow, Perplexity, eval_tokens, sliding_window_perplexity, sliding_windows
 from dsquant.data.sources import ACCEPTED_KINDS, BUNDLED_SETS, EVAL_SETS, bundled_path, load_documents
-from dsquant.data.tokenizer import load_tokenizer
+from dsquant.data.tokenizer import backend_tokenizer, load_tokenizer
 
 __all__ = [
     "ACCEPTED_KINDS",
@@ -14,6 +14,7 @@ __all__ = [
     "EVAL_SETS",
     "EvalWindow",
     "Perplexity",
+    "backend_tokenizer",
     "bundled_path",
     "calibration_samples",
     "eval_tokens",

@@ -7,6 +7,10 @@ tokenizer.json, so text tokenizes differently from how the model was trained (ds
 slice perplexity goes from 74 to 91). Loading tokenizer.json through PreTrainedTokenizerFast
 keeps the file's pipeline; tokenizer_config.json still supplies the special tokens and chat
 template.
+
+The engine and the server encode and decode with the Rust `tokenizers.Tokenizer` underneath
+(`backend_tokenizer`: its `encode_batch` releases the GIL, its `decode` takes `skip_special_tokens`);
+they take it from the same load, so every part of dsquant tokenizes one way.
 """
 from pathlib import Path
 
@@ -28,3 +32,14 @@ def load_tokenizer(path: str | Path):
         raise DsquantError(
             f"{path}: no loadable tokenizer (expected tokenizer.json, or the files of a transformers tokenizer)"
         ) from None
+
+
+def backend_tokenizer(path: str | Path):
+    """load_tokenizer's tokenizers.Tokenizer, or None where `path` has no tokenizer.json.
+
+    What the engine and server use; without it prompts must be token ids.
+    """
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        return None
+    return load_tokenizer(path).backend_tokenizer

@@ -1,4 +1,4 @@
-"""Files beside a checkpoint's weights that the engine reads: EOS ids, the tokenizer."""
+"""Files beside a checkpoint's weights that the engine reads: the EOS ids (the tokenizer: dsquant.data.tokenizer)."""
 from __future__ import annotations
 
 import json
@@ -22,11 +22,3 @@ def _read_json(path: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {}
 
-
-def load_tokenizer(path: Path):
-    """tokenizers.Tokenizer from tokenizer.json, or None (prompts must then be token ids)."""
-    if not (path / "tokenizer.json").is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path / "tokenizer.json"))

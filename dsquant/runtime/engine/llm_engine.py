@@ -21,7 +21,8 @@ import torch
 from dsquant.errors import DsquantError
 from dsquant.runtime.engine.async_step import LaunchedStep, launch_step, must_drain
 from dsquant.runtime.engine.block_manager import BlockManager
-from dsquant.runtime.engine.checkpoint_files import eos_ids as _eos_ids, load_tokenizer  # noqa: F401 (re-exported)
+from dsquant.data.tokenizer import backend_tokenizer
+from dsquant.runtime.engine.checkpoint_files import eos_ids as _eos_ids
 from dsquant.runtime.engine.detokenizer import IncrementalDetokenizer
 from dsquant.runtime.engine.engine_config import EngineConfig
 from dsquant.runtime.model_builder import build_runner
@@ -80,7 +81,7 @@ class LLMEngine:
                                                    c.enable_chunked_prefill), self.block_manager)
         self.max_model_len = max_model_len
         self.device = device
-        self.tokenizer = load_tokenizer(Path(c.tokenizer) if c.tokenizer else self.path)
+        self.tokenizer = backend_tokenizer(Path(c.tokenizer) if c.tokenizer else self.path)
         self.eos_token_ids = _eos_ids(self.path, cfg)
         self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
         self._ids = itertools.count()

@@ -21,7 +21,8 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsquant.runtime.engine.llm_engine import LLMEngine, load_tokenizer
+from dsquant.data.tokenizer import backend_tokenizer
+from dsquant.runtime.engine.llm_engine import LLMEngine
 from dsquant.runtime.server import guards, routes_extra, serving
 from dsquant.runtime.server import protocol as P
 from dsquant.runtime.server.api_errors import ApiError
@@ -45,7 +46,7 @@ class _Server:
         self.max_request_bytes = max_request_bytes
         self.metrics = ServerMetrics(model_name, metrics_prefix, engine)
         self.loop = EngineLoop(engine, self.metrics, max_queue)
-        self.tokenizer = load_tokenizer(engine.path)  # its own instance: the engine thread decodes with its
+        self.tokenizer = backend_tokenizer(engine.path)  # its own instance: the engine thread decodes with its
         self.max_model_len = engine.max_model_len
         self.prompts = PromptEncoder(self.tokenizer, ChatTemplate.from_dir(engine.path), self.max_model_len,
                                      engine.path)

@@ -85,12 +85,12 @@ def _api_key(flag: str | None) -> str | None:
 
 def _override_prompts(app, tokenizer_dir: str | None, template) -> None:
     """Point the app's prompt encoding at --tokenizer and --chat-template (set before serving)."""
-    from dsquant.runtime.engine.llm_engine import load_tokenizer
+    from dsquant.data.tokenizer import backend_tokenizer
     from dsquant.runtime.server.prompts import PromptEncoder
 
     s = app.state.server
     if tokenizer_dir is not None:
-        s.tokenizer = load_tokenizer(Path(tokenizer_dir))
+        s.tokenizer = backend_tokenizer(Path(tokenizer_dir))
         s.prompts = PromptEncoder(s.tokenizer, template, s.max_model_len, tokenizer_dir)
     elif template is not None:
         s.prompts.chat_template = template
