@@ -7,6 +7,8 @@ import platform
 from dataclasses import asdict, is_dataclass
 from datetime import date
 
+from dsquant.runtime.engine.timing import sync  # noqa: F401 (the timing boundary, shared with the engine's loop)
+
 
 def time_graph_and_eager(fn, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float]:
     """Median microseconds of `fn` as CUDA-graph replays and as eager launches (same inputs)."""
@@ -15,14 +17,6 @@ def time_graph_and_eager(fn, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[fl
     eager = tt.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     graph = tt.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
     return graph * 1e3, eager * 1e3
-
-
-def sync(device) -> None:
-    """Wait for the GPU when `device` is a CUDA one (timing boundaries); nothing on CPU."""
-    import torch
-
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def environment() -> dict:

@@ -65,27 +65,15 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_requests(engine, prompts: list[list[int]], output_len: int) -> dict:
-    """Add every prompt, step until done; wall time, output tok/s, per-request token times."""
+    """Add every prompt, step until done; wall time, output tok/s, median TTFT and time between tokens."""
     from dsquant.runtime.engine.sequence import SamplingParams
+    from dsquant.runtime.engine.timing import timed_generate
 
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    _sync(engine.device)
-    start = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in prompts]
-    times: dict[str, list[float]] = {i: [] for i in ids}
-    peak_blocks = 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        now = time.perf_counter()
-        peak_blocks = max(peak_blocks, engine.block_manager.num_blocks - engine.block_manager.num_free_blocks)
-        for o in outs:
-            times[o.request_id].extend([now] * len(o.new_token_ids))
-    wall = time.perf_counter() - start
-    total_out = sum(len(t) for t in times.values())
-    gaps = [b - a for t in times.values() for a, b in zip(t, t[1:])]
-    return {"wall_s": wall, "output_tokens": total_out, "output_tok_s": total_out / wall,
-            "ttft_s": statistics.median(t[0] - start for t in times.values()),
-            "tpot_ms": 1e3 * statistics.median(gaps) if gaps else None, "peak_kv_blocks": peak_blocks}
+    run = timed_generate(engine, prompts, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
+    gaps = run.token_gaps()
+    return {"wall_s": run.wall_s, "output_tokens": run.output_tokens, "output_tok_s": run.output_tokens / run.wall_s,
+            "ttft_s": statistics.median(run.ttfts()),
+            "tpot_ms": 1e3 * statistics.median(gaps) if gaps else None, "peak_kv_blocks": run.peak_kv_blocks}
 
 
 def build_engine(scheme: str, spec: EngineBenchSpec, workdir: Path, max_model_len: int):

@@ -60,20 +60,14 @@ def serve_engine(engine, model_name: str | None = None, api_key: str | None = No
 def offline_throughput(engine, prompts: list[BenchPrompt], output_len: int, temperature: float = 0.0) -> dict:
     """Add every prompt at once, step until all finish; output and total tokens per second."""
     from dsquant.runtime.engine.sequence import SamplingParams
+    from dsquant.runtime.engine.timing import timed_generate
 
     if engine.has_unfinished():
         raise DsquantError("offline_throughput needs an idle engine (stop its server first)")
-    params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(p.payload, params, request_id=f"bench-offline-{i}")
-    total_in = total_out = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                total_in += len(out.prompt_token_ids)
-                total_out += len(out.token_ids)
-    duration = time.perf_counter() - start
+    run = timed_generate(engine, [p.payload for p in prompts],
+                         SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True),
+                         request_ids=[f"bench-offline-{i}" for i in range(len(prompts))])
+    duration, total_in, total_out = run.wall_s, run.input_tokens, run.output_tokens
     return {"duration": duration, "num_prompts": len(prompts), "total_input_tokens": total_in,
             "total_output_tokens": total_out, "request_throughput": len(prompts) / duration,
             "output_throughput": total_out / duration, "total_token_throughput": (total_in + total_out) / duration,

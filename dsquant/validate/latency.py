@@ -9,18 +9,19 @@ Prompts are random token ids drawn from a fixed seed, so every artifact sees the
 Before any timing, every measured shape runs once untimed (a TTFT prompt, a TPOT run, one run per
 batch size), so kernel compilation, CUDA-graph capture for each batch size and allocator growth fall
 outside the timed repeats; Python's garbage collector is off while timing, as timeit does.
+The timing loop is runtime/engine/timing.py's `timed_generate`, the one the benchmarks use.
 """
 from __future__ import annotations
 
 import gc
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
+from dsquant.runtime.engine.timing import TimedRun, timed_generate
 
 
 @dataclass
@@ -58,21 +59,9 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(2, vocab, (n, length), generator=g).tolist()
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
-    """Run prompts to completion; returns (first-token times, finish times, output tokens, start)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in prompts]
-    first, end, produced = {}, {}, {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            now = time.perf_counter()
-            if out.token_ids and out.request_id not in first:
-                first[out.request_id] = now
-            produced[out.request_id] = len(out.token_ids)
-            if out.finished:
-                end[out.request_id] = now
-    return [first[i] for i in ids], [end[i] for i in ids], sum(produced.values()), start
+def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> TimedRun:
+    """Run prompts to completion, greedy, ignore_eos: exactly `max_tokens` each."""
+    return timed_generate(engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
 def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtype | None = None,
@@ -101,15 +90,15 @@ def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtyp
 def _timed(engine: LLMEngine, spec: LatencySpec, vocab: int, device: str) -> LatencyResult:
     ttfts, tpots = [], []
     for r in range(spec.repeats):
-        first, _, _, start = _run(engine, _prompts(1, spec.ttft_input, vocab, r), 1)
-        ttfts.append(first[0] - start)
-        first, end, n, _ = _run(engine, _prompts(1, 8, vocab, 100 + r), spec.tpot_output)
-        tpots.append((end[0] - first[0]) / max(n - 1, 1))
+        ttfts.append(_run(engine, _prompts(1, spec.ttft_input, vocab, r), 1).ttfts()[0])
+        run = _run(engine, _prompts(1, 8, vocab, 100 + r), spec.tpot_output)
+        req = run.requests[0]
+        tpots.append((req.finished_at - req.token_times[0]) / max(req.output_tokens - 1, 1))
     runs: dict[int, list[float]] = {}
     for b in spec.batch_sizes:
         for _ in range(spec.repeats):
-            _, end, n, start = _run(engine, _prompts(b, spec.throughput_input, vocab, 1000 + b),
-                                    spec.throughput_output)
-            runs.setdefault(b, []).append(n / (max(end) - start))
+            run = _run(engine, _prompts(b, spec.throughput_input, vocab, 1000 + b), spec.throughput_output)
+            last = max(req.finished_at for req in run.requests)
+            runs.setdefault(b, []).append(run.output_tokens / (last - run.start))
     return LatencyResult(device, asdict(spec), statistics.median(ttfts), statistics.median(tpots),
                          {b: statistics.median(v) for b, v in runs.items()}, ttfts, tpots, runs)
