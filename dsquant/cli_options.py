@@ -1,8 +1,9 @@
 """Click options shared by the commands, spelled the way vLLM spells them.
 
-`device_option` is used by every command that runs a model; `engine_options` by `serve` and
-`generate`, whose commands take the values as keyword arguments and turn them into an
-EngineConfig with `engine_config`. Flag errors are DsquantErrors: `dsquant` prints one line and
+Each option is declared once here. `device_option` is used by every command that runs a model;
+`engine_options` by `serve` and `generate`, whose commands take the values as keyword arguments
+and turn them into an EngineConfig with `engine_config`; `bench serve --artifact` takes
+`max_model_len_option` and `max_num_seqs_option` with `serve`. Flag errors are DsquantErrors: `dsquant` prints one line and
 exits 2.
 """
 from __future__ import annotations
@@ -33,6 +34,14 @@ def device_option(help: str = "cuda or cpu. Default: cuda when available."):
                         help=help)
 
 
+def max_model_len_option(help: str = "Longest prompt + output in tokens. Default: the model config's."):
+    return click.option("--max-model-len", default=None, type=click.IntRange(min=2), help=help)
+
+
+def max_num_seqs_option(help: str = "Requests running at once (one engine batch); more wait in the queue."):
+    return click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1), help=help)
+
+
 def _check_kv_cache_dtype(ctx, param, value: str) -> str:
     from dsquant.runtime.layers.kv_cache import check_kv_cache_dtype
 
@@ -59,8 +68,7 @@ _ENGINE_OPTIONS = [
     device_option(),
     click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
                  help="Dtype of activations and unquantized weights; auto: the checkpoint's."),
-    click.option("--max-model-len", default=None, type=click.IntRange(min=2),
-                 help="Longest prompt + output in tokens. Default: the model config's."),
+    max_model_len_option(),
     click.option("-tp", "--tensor-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
                  help="Processes to split the model over: one per GPU on cuda, gloo processes on cpu."),
     click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,

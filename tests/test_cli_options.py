@@ -251,3 +251,20 @@ def test_help_summaries_are_whole_and_every_option_has_help():
         for p in cmd.params:
             if isinstance(p, click.Option):
                 assert p.help, (path, p.opts)
+
+
+def test_generate_and_serve_declare_each_engine_option_once():
+    """serve and generate take the engine options from one list (cli_options.engine_options): the same
+    flags, types, defaults and help; bench serve's --max-model-len / --max-num-seqs match serve's."""
+    from dsquant.cli_options import ENGINE_KEYS
+
+    def options(cmd, names):
+        info = {p.name: p.to_info_dict() for p in cmd.params if isinstance(p, click.Option)}
+        return {n: info[n] for n in names}
+
+    generate, serve = cli.commands["generate"], cli.commands["serve"]
+    bench_serve = cli.commands["bench"].commands["serve"]
+    assert options(generate, ENGINE_KEYS) == options(serve, ENGINE_KEYS)
+    for name in ("max_model_len", "max_num_seqs"):
+        mine, theirs = options(bench_serve, [name])[name], options(serve, [name])[name]
+        assert {**mine, "help": None} == {**theirs, "help": None}, name

@@ -18,7 +18,7 @@ import os
 
 import click
 
-from dsquant.cli_options import device_option
+from dsquant.cli_options import device_option, max_model_len_option, max_num_seqs_option
 from dsquant.errors import DsquantError
 
 __all__ = ["serve", "format_table"]
@@ -99,9 +99,8 @@ def _write_json(path: str, payload: dict) -> None:
               help="Seconds per request.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results here.")
 @device_option(help="--artifact only. Default: cuda when available.")
-@click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1), help="--artifact only.")
-@click.option("--max-model-len", default=None, type=click.IntRange(min=2),
-              help="--artifact only. Default: the config's.")
+@max_num_seqs_option(help="--artifact only.")
+@max_model_len_option(help="--artifact only. Default: the config's.")
 def serve(url, artifact, model, api_key, dataset, corpus, tokenizer, input_len, output_len, num_prompts, seed,
           request_rate, max_concurrency, temperature, timeout, json_path, device, max_num_seqs, max_model_len) -> None:
     """Load-test /v1/completions (streamed): TTFT, TPOT, ITL, throughput; vLLM's JSON fields."""

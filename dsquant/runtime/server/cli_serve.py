@@ -22,7 +22,8 @@ from pathlib import Path
 
 import click
 
-from dsquant.cli_options import chat_template, engine_config, engine_options, pop_engine_options
+from dsquant.cli_options import (chat_template, engine_config, engine_options, max_num_seqs_option,
+                                 pop_engine_options)
 from dsquant.errors import DsquantError
 
 
@@ -104,8 +105,7 @@ def _override_prompts(app, tokenizer_dir: str | None, template) -> None:
               help="Require `Authorization: Bearer KEY` on /v1 routes (env DSQUANT_API_KEY or VLLM_API_KEY); an "
                    "empty key is refused.")
 @click.option("--served-model-name", default=None, help="Model name in the API. Default: the artifact's folder name.")
-@click.option("--max-num-seqs", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Requests running at once (one engine batch); more wait in the queue.")
+@max_num_seqs_option()
 @click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait beyond max-num-seqs running ones; more get 429.")
 @click.option("--max-request-bytes", default=4 << 20, show_default=True,  # app.DEFAULT_MAX_REQUEST_BYTES
