@@ -14,7 +14,8 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -23,6 +24,9 @@ from dsquant.runtime.server import protocol as P
 from dsquant.runtime.server.api_errors import ERROR_TYPES, ApiError
 from dsquant.runtime.server.engine_loop import EngineUnavailable, RequestFailed, RequestHandle, RequestRejected
 from dsquant.runtime.server.logprobs import chat_logprobs, completion_choice
+
+if TYPE_CHECKING:
+    from dsquant.runtime.server.state import AppState
 
 log = logging.getLogger("dsquant.server")
 
@@ -35,6 +39,29 @@ class Prompt:
     ids: list[int]  # the prompt's token ids
     max_tokens: int  # after the length checks
     source: str | list[int] | None = None  # as the request sent it (completions' echo)
+
+
+@dataclass
+class ResponseLog:
+    """One response's log line (`dsquant.server`, info): id, status, tokens in and out, TTFT, total time.
+
+    Filled in as the response goes: `first` gets the monotonic time of the first output (collect and
+    the stream append it), a stream sets `status` and `n_out` as it runs.
+    """
+
+    rid: str
+    arrival: float  # time.monotonic() when the request came
+    n_in: int  # prompt tokens
+    first: list[float] = field(default_factory=list)
+    status: int = 499  # 499: the client left before the end
+    n_out: int = 0
+
+    def write(self, status: int | None = None, n_out: int | None = None) -> None:
+        status = self.status if status is None else status
+        n_out = self.n_out if n_out is None else n_out
+        ttft = f"{self.first[0] - self.arrival:.3f}s" if self.first else "-"
+        log.info("%s %d tokens in %d out %d ttft %s total %.3fs", self.rid, status, self.n_in, n_out, ttft,
+                 time.monotonic() - self.arrival)
 
 
 def check_logit_bias(req, vocab_size: int) -> None:
@@ -55,7 +82,8 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def collect(request: Request, handles: list[RequestHandle], first: list[float]):
-    """The final outputs of non-streaming requests, in order; None when the client went away first."""
+    """The final outputs of non-streaming requests, in order; None when the client went away first.
+    `first` gets the monotonic time of the first output."""
     async def consume(handle):
         last = None
         async for out in handle.outputs():
@@ -136,7 +164,7 @@ class EventStream(StreamingResponse):
             self.on_close()
 
 
-async def respond(s, request: Request, req, prompts: list[Prompt], rid: str, arrival: float, chat: bool):
+async def respond(s: AppState, request: Request, req, prompts: list[Prompt], rid: str, arrival: float, chat: bool):
     """Submit the request's P * n engine requests and answer (JSON, or an event stream)."""
     n = req.n
     handles: list[RequestHandle] = []
@@ -152,36 +180,29 @@ async def respond(s, request: Request, req, prompts: list[Prompt], rid: str, arr
         for h in handles:
             h.close()
         raise
-    first: list[float] = []
     n_in = sum(len(p.ids) for p in prompts)
-
-    def log_line(status: int, n_out: int) -> None:
-        ttft = f"{first[0] - arrival:.3f}s" if first else "-"
-        log.info("%s %d tokens in %d out %d ttft %s total %.3fs", rid, status, n_in, n_out, ttft,
-                 time.monotonic() - arrival)
+    record = ResponseLog(rid, arrival, n_in)
 
     def close_all() -> None:
         for h in handles:
             h.close()
 
     if req.stream:
-        state = {"status": 499, "n_out": 0}  # 499: the client left before the end
-
         def on_close() -> None:  # however the stream ended: abort if unfinished, then log
             close_all()
-            log_line(state["status"], state["n_out"])
+            record.write()
 
-        return EventStream(_stream(s, req, n_in, rid, handles, first, state, chat), on_close)
+        return EventStream(_stream(s, req, handles, record, chat), on_close)
     try:
-        finals = await collect(request, handles, first)
+        finals = await collect(request, handles, record.first)
     except (RequestRejected, RequestFailed, EngineUnavailable) as e:
         status = FAILURES[type(e)]
-        log_line(status, 0)
+        record.write(status, 0)
         raise ApiError(status, str(e)) from None
     finally:
         close_all()
     if finals is None:  # the client disconnected; the requests were aborted
-        log_line(499, 0)
+        record.write(499, 0)
         return Response(status_code=499)
     if chat:
         choices = [P.ChatChoice(index=k, message=P.ChatResponseMessage(content=f.text), finish_reason=f.finish_reason,
@@ -189,7 +210,7 @@ async def respond(s, request: Request, req, prompts: list[Prompt], rid: str, arr
                                                        s.tokenizer) if req.logprobs else None)
                    for k, f in enumerate(finals)]
         n_out = sum(len(f.token_ids) for f in finals)
-        log_line(200, n_out)
+        record.write(200, n_out)
         return P.ChatCompletionResponse(id=rid, model=s.model_name, usage=P.Usage.of(n_in, n_out), choices=choices)
     choices, n_out = [], 0
     for k, f in enumerate(finals):
@@ -197,11 +218,12 @@ async def respond(s, request: Request, req, prompts: list[Prompt], rid: str, arr
         choice, kept = completion_choice(req, p.ids, f, s.tokenizer, p.source, k)  # echo, logprobs, max_tokens 0
         choices.append(choice)
         n_out += kept
-    log_line(200, n_out)
+    record.write(200, n_out)
     return P.CompletionResponse(id=rid, model=s.model_name, usage=P.Usage.of(n_in, n_out), choices=choices)
 
 
-async def _stream(s, req, n_in: int, rid: str, handles, first: list[float], state: dict, chat: bool):
+async def _stream(s: AppState, req, handles, record: ResponseLog, chat: bool):
+    rid = record.rid
     created = int(time.time())
     counts = [0] * len(handles)  # per choice: tokens so far (and logprobs sent, for chat)
     if chat:
@@ -221,11 +243,11 @@ async def _stream(s, req, n_in: int, rid: str, handles, first: list[float], stat
             for k in range(len(handles)):
                 yield sse(chunk(k, text="", role="assistant"))
         async for k, out in merged(handles):
-            if not first:
-                first.append(time.monotonic())
+            if not record.first:
+                record.first.append(time.monotonic())
             done = counts[k]
             counts[k] = len(out.token_ids)
-            state["n_out"] = sum(counts)
+            record.n_out = sum(counts)
             lp = None
             if want_logprobs and counts[k] > done:
                 lp = chat_logprobs(out.token_ids[done:], (out.logprobs or [])[done:], req.top_logprobs or 0,
@@ -233,10 +255,10 @@ async def _stream(s, req, n_in: int, rid: str, handles, first: list[float], stat
             if out.delta_text or out.finished or lp is not None:
                 yield sse(chunk(k, text=out.delta_text, finish=out.finish_reason, logprobs=lp))
         if req.include_usage:
-            yield sse(chunk(usage=P.Usage.of(n_in, state["n_out"]), choices=False))
+            yield sse(chunk(usage=P.Usage.of(record.n_in, record.n_out), choices=False))
         yield sse("[DONE]")
-        state["status"] = 200
+        record.status = 200
     except (RequestRejected, RequestFailed, EngineUnavailable) as e:
-        state["status"] = status = FAILURES[type(e)]
+        record.status = status = FAILURES[type(e)]
         yield sse(json.dumps(P.error_body(str(e), ERROR_TYPES[status], status)))
         yield sse("[DONE]")
