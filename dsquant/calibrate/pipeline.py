@@ -13,7 +13,6 @@ import logging
 import resource
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -23,6 +22,8 @@ from dsquant.calibrate.recipe import Recipe, load_recipe
 from dsquant.calibrate.resolve import ResolvedSchemes, resolve_schemes
 from dsquant.errors import DsquantError
 from dsquant.export import codecs
+from dsquant.export.manifest import (MANIFEST, CalibrationRecord, QuantizeRun, build_manifest, config_entry,
+                                     module_errors, versions)
 from dsquant.export.writer import ArtifactWriter
 from dsquant.models.loader import check_layer_headers, load_layer, open_model, release_layer
 from dsquant.models.manifest import coverage_warning, expert_coverage
@@ -53,16 +54,6 @@ class QuantizeReport:
     out_dir: Path
     manifest: dict
     module_errors: dict[str, float] = field(default_factory=dict)
-
-
-def _versions() -> dict:
-    out = {}
-    for pkg in ("dsquant", "torch", "triton", "transformers", "safetensors", "compressed-tensors"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 def _peak_host_bytes() -> int:
@@ -181,23 +172,14 @@ def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, resolved: Res
     config = dict(cfg.raw)
     config["quantization_config"] = codecs.quantization_config(fmt, recipe, schemes, kept, set(resolved.fallbacks))
     config["torch_dtype"] = config["dtype"] = "bfloat16"
-    config["dsquant"] = {"version": _versions()["dsquant"], "manifest": "dsquant.json"}  # serving insists on it
-    errors = {n: e for st in layers.values() for n, e in st["errors"].items()}
-    manifest = {
-        "dsquant_version": _versions()["dsquant"], "format": fmt, "recipe": recipe.to_dict(),
-        "source_model": str(model_dir.resolve()),
-        "calibration": {"source": args.calib or "bundled:calibration", "column": args.calib_column,
-                        "split": args.calib_split, "n_samples": args.n_samples,
-                        "seqlen": args.seqlen, "seed": args.seed, "sha256": data_hash},
-        "device": device.type, "seconds_total": round(time.time() - t0, 3),
-        "resumed_from_layer": start,
-        "peak_host_bytes": max([_peak_host_bytes()] + [st["peak_host_bytes"] for st in layers.values()]),
-        "peak_device_bytes": max([0] + [st["peak_device_bytes"] for st in layers.values()]),
-        "scheme_fallbacks": {n: f.to_dict() for n, f in sorted(resolved.fallbacks.items())},
-        "layers": {k: {"seconds": v["seconds"], "fallback_experts": v["fallback_experts"],
-                       **({"expert_tokens": v["expert_tokens"]} if v.get("expert_tokens") else {})}
-                   for k, v in layers.items()},
-        "module_errors": errors, "versions": _versions(),
-    }
+    installed = versions()
+    config["dsquant"] = config_entry(installed)  # serving insists on it
+    calibration = CalibrationRecord(args.calib or "bundled:calibration", args.calib_column, args.calib_split,
+                                    args.n_samples, args.seqlen, args.seed, data_hash)
+    manifest = build_manifest(QuantizeRun(
+        format=fmt, recipe=recipe.to_dict(), source_model=str(model_dir.resolve()), calibration=calibration,
+        device=device.type, seconds_total=time.time() - t0, resumed_from_layer=start,
+        peak_host_bytes=_peak_host_bytes(), scheme_fallbacks={n: f.to_dict() for n, f in resolved.fallbacks.items()},
+        layer_stats=layers), installed)
     out = writer.finalize(config, manifest, model_dir)
-    return QuantizeReport(out, json.loads((out / "dsquant.json").read_text()), errors)
+    return QuantizeReport(out, json.loads((out / MANIFEST).read_text()), module_errors(layers))
