@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from dsquant.assets import bundled_model_path
+from dsquant.calibrate.export_format import choose_format
 from dsquant.calibrate.recipe import load_recipe
 from dsquant.calibrate.resolve import linear_shapes, resolve_schemes
 from dsquant.cli import main
-from dsquant.export.codecs import choose_format
 from dsquant.models.loader import open_model
 from dsquant.tune import latency as lat
 from dsquant.tune.search import Option, SearchUnit, best, closest, front_2d, search
@@ -136,13 +136,14 @@ def test_measured_latency_is_cached_and_reused(tmp_path, monkeypatch):
     space = _space(QWEN2, "bf16,fp8_block,awq_g128")
     calls = []
     monkeypatch.setattr(lat, "time_linear", lambda s, n, k, m, *a: calls.append((s, n, k, m)) or 10.0 + m)
-    monkeypatch.setattr(lat, "measure_fixed", lambda *a: {1: 100.0, 8: 200.0})
+    monkeypatch.setattr(lat, "measure_fixed", lambda *a: ({1: 100.0, 8: 200.0}, {1: 150.0, 8: 0.0}))
     first = lat.build_table(space, [1, 8], "cpu", QWEN2, None, tmp_path, "runtime", None, log=lambda m: None)
     assert calls and not any(s.startswith("awq") for s, *_ in calls)  # CPU runtime: INT4 runs BF16's op
     assert first.linears[("awq_g128", 256, 256, 1)] == first.linears[("bf16", 256, 256, 1)]
     n_calls = len(calls)
     again = lat.build_table(space, [1, 8], "cpu", QWEN2, None, tmp_path, "runtime", None, log=lambda m: None)
     assert len(calls) == n_calls and again.fixed == {1: 100.0, 8: 200.0} and again.source.startswith("cache")
+    assert again.host == {1: 150.0, 8: 0.0}
     (cached,) = list(tmp_path.iterdir())
     assert cached.name.endswith(".json") and "CPU" in cached.name
 
@@ -277,3 +278,25 @@ def test_gpu_timings_run_the_runtime_kernels(key):
     assert 0 < time_linear(key, 256, 512, 1, "cuda") < 1e4
     assert 0 < time_moe(key, key, 16, 4, 128, 256, 8) < 1e4
     assert 0 < time_moe("awq_g128", "fp8_block", 16, 4, 128, 256, 8) < 1e4  # mixed: the runtime's bf16 experts
+
+
+def test_host_floor_split_and_prediction():
+    # host-bound BF16 step (host 300 us >= GPU 120 us, wall 320): the host floor takes the wall time,
+    # the fixed work the GPU side; faster Linears then buy nothing until the GPU side exceeds the floor
+    fixed, host = lat.split_fixed(320.0, {"host_us": 300.0, "gpu_us": 120.0}, 80.0)
+    assert (fixed, host) == (40.0, 320.0)
+    # GPU-bound (GPU 900 >= host 300, wall 950): fixed takes the wall, the floor is the host's work
+    assert lat.split_fixed(950.0, {"host_us": 300.0, "gpu_us": 900.0}, 500.0) == (450.0, 300.0)
+    # no split (CPU): additive, no floor
+    assert lat.split_fixed(950.0, None, 500.0) == (450.0, 0.0)
+    assert lat.split_fixed(950.0, {"host_us": 1.0, "gpu_us": float("nan")}, 500.0) == (450.0, 0.0)
+    space = _space(QWEN2, "bf16,fp8_block")
+    keys = lat.needed_keys(space, [1])
+    table = lat.LatencyTable("synthetic", {k: (2.0 if k[0] == "bf16" else 1.0) for k in keys})
+    bf16 = {u.key: "bf16" for u in space.units}
+    fp8 = {u.key: "fp8_block" for u in space.units}
+    k_bf16 = lat.linear_step_us(space, bf16, table, 1)
+    table.fixed, table.host = {1: 10.0}, {1: 10.0 + k_bf16 * 0.75}
+    assert lat.predict(space, bf16, table, [1])["step_us"][1] == 10.0 + k_bf16
+    p8 = lat.predict(space, fp8, table, [1])
+    assert p8["linear_us"][1] == k_bf16 / 2 and p8["step_us"][1] == table.host[1]  # the floor binds

@@ -24,6 +24,16 @@ Fixed work (attention, norms, routing, embeddings, lm_head, sampling, engine ove
 and its batch-B step time (B / throughput) from validate's measure_latency, minus the predicted
 BF16 linear time at that M. It is model-specific and cached per model (config hash). A recorded
 table may carry it as "fixed_us": {"1": us, "64": us}; without it the fixed part is 0 (noted).
+
+Host floor (CUDA): the engine launches step N + 1 while the GPU runs step N (async scheduling), so a
+decode step costs about max(host work, GPU time), not their sum; on a small model the host's share
+is most of the step, and faster kernels buy nothing. The BF16 timing also splits each decode step
+(LatencySpec.split_steps: the host's own work, and the GPU time of the forward and sampling by CUDA
+events). The side that bounds the BF16 step gets its measured wall time W: host-bound (host >= GPU),
+host[M] = W and fixed[M] = GPU - BF16 Linears; GPU-bound, host[M] = host and fixed[M] = W - BF16
+Linears. A recipe's step is then max(host[M], fixed[M] + its Linears), which gives W back for BF16.
+Without a split (CPU, where the host runs the forward itself, or a table without "host_us") the
+host floor is 0 and the step is fixed[M] + Linears.
 """
 from __future__ import annotations
 
@@ -50,6 +60,7 @@ class LatencyTable:
     device: str
     linears: dict[tuple[str, int, int, int], float] = field(default_factory=dict)  # (scheme, N, K, M) -> us
     fixed: dict[int, float] = field(default_factory=dict)  # M -> us per decode step (this model)
+    host: dict[int, float] = field(default_factory=dict)  # M -> the host's floor per decode step, us
     source: str = "measured"  # "measured", "cache: PATH" or the --latency-table path
     notes: list[str] = field(default_factory=list)
     fused_moe: bool = False  # routed experts timed as one fused_moe per layer (CUDA), not per expert
@@ -97,8 +108,12 @@ def load_table(path: str | Path, model: str) -> LatencyTable:
     if model in fixed_raw and isinstance(fixed_raw[model], dict):
         fixed_raw = fixed_raw[model]
     fixed = {int(m): float(us) for m, us in fixed_raw.items() if not isinstance(us, dict)}
+    host_raw = raw.get("host_us") or {}
+    if model in host_raw and isinstance(host_raw[model], dict):
+        host_raw = host_raw[model]
+    host = {int(m): float(us) for m, us in host_raw.items() if not isinstance(us, dict)}
     fused = bool(raw.get("fused_moe", any(s.startswith("moe_") for s, *_ in linears)))
-    return LatencyTable(str(raw.get("device", "unknown")), linears, fixed, str(path), fused_moe=fused)
+    return LatencyTable(str(raw.get("device", "unknown")), linears, fixed, host, str(path), fused_moe=fused)
 
 
 def save_table(table: LatencyTable, path: Path, model: str) -> None:
@@ -111,11 +126,13 @@ def save_table(table: LatencyTable, path: Path, model: str) -> None:
             old = {}
     fixed = old.get("fixed_us") if isinstance(old.get("fixed_us"), dict) else {}
     fixed[model] = {str(m): us for m, us in sorted(table.fixed.items())}
+    host = old.get("host_us") if isinstance(old.get("host_us"), dict) else {}
+    host[model] = {str(m): us for m, us in sorted(table.host.items())}
     rows = {(r["scheme"], r["n"], r["k"], r["m"]): r["us"] for r in old.get("linears", [])}
     rows.update(table.linears)
     payload = {"device": table.device, "linears": [{"scheme": s, "n": n, "k": k, "m": m, "us": us}
                                                    for (s, n, k, m), us in sorted(rows.items())],
-               "fixed_us": fixed, "fused_moe": table.fused_moe}
+               "fixed_us": fixed, "host_us": host, "fused_moe": table.fused_moe}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(payload, indent=1))
@@ -228,31 +245,45 @@ def build_table(space: Space, batches: list[int], device: str, model_dir: str, t
             table.linears[(s, n, k, m)] = time_linear(s, n, k, m, device, cpu_mode)
     if not all(b in table.fixed for b in batches):
         log("latency: timing a BF16 decode step of the model (fixed per-step work)")
-        table.fixed.update(measure_fixed(space, batches, device, model_dir, table, fixed_spec))
+        fixed, host = measure_fixed(space, batches, device, model_dir, table, fixed_spec)
+        table.fixed.update(fixed)
+        table.host.update(host)
     save_table(table, path, model)
     return table
 
 
 def measure_fixed(space: Space, batches: list[int], device: str, model_dir: str, table: LatencyTable,
-                  spec) -> dict[int, float]:
-    """BF16 decode step time from the runtime minus the predicted BF16 linears, per batch size."""
+                  spec) -> tuple[dict[int, float], dict[int, float]]:
+    """(fixed, host floor) per batch size from a BF16 decode timing with the runtime (module docstring)."""
     from dsquant.validate.latency import measure_latency
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     result = measure_latency(model_dir, device, spec, dtype=dtype)
     bf16 = {u.key: "bf16" for u in space.units}
-    fixed = {}
+    fixed, host = {}, {}
     for b in batches:
         step = result.tpot_s * 1e6 if b == 1 else b / result.throughput_tok_s[b] * 1e6
-        fixed[b] = step - linear_step_us(space, bf16, table, b)
+        fixed[b], host[b] = split_fixed(step, result.decode_split.get(b), linear_step_us(space, bf16, table, b))
         if fixed[b] < 0:
-            table.notes.append(f"batch {b}: the BF16 step ({step:.0f} us) is shorter than its timed Linears; "
-                               "fixed work clamped to 0")
+            table.notes.append(f"batch {b}: the BF16 step's GPU-side work ({fixed[b] + linear_step_us(space, bf16, table, b):.0f} "
+                               "us) is shorter than its timed Linears; fixed work clamped to 0")
             fixed[b] = 0.0
-    return fixed
+    return fixed, host
+
+
+def split_fixed(step_us: float, split: dict | None, bf16_linear_us: float) -> tuple[float, float]:
+    """(fixed, host floor) of a measured BF16 step of step_us whose decode split is `split`
+    ({"host_us", "gpu_us"}, or None): the side that bounds the step gets its wall time."""
+    if not split or not math.isfinite(split.get("gpu_us", math.nan)):
+        return step_us - bf16_linear_us, 0.0
+    if split["host_us"] >= split["gpu_us"]:
+        return split["gpu_us"] - bf16_linear_us, step_us
+    return step_us - bf16_linear_us, split["host_us"]
 
 
 def predict(space: Space, choice: dict[str, str], table: LatencyTable, batches: list[int]) -> dict:
-    """{"tpot_us": {B: step us}, "throughput_tok_s": {B: tokens/s}} of a recipe."""
-    steps = {b: table.fixed.get(b, 0.0) + linear_step_us(space, choice, table, b) for b in batches}
-    return {"step_us": steps, "throughput_tok_s": {b: b / us * 1e6 for b, us in steps.items()}}
+    """{"step_us": {B: us}, "linear_us": {B: us}, "throughput_tok_s": {B: tokens/s}} of a recipe:
+    step = max(host floor, fixed + Linears) (module docstring)."""
+    linear = {b: linear_step_us(space, choice, table, b) for b in batches}
+    steps = {b: max(table.host.get(b, 0.0), table.fixed.get(b, 0.0) + linear[b]) for b in batches}
+    return {"step_us": steps, "linear_us": linear, "throughput_tok_s": {b: b / us * 1e6 for b, us in steps.items()}}

@@ -53,7 +53,8 @@ def _heldout_check(args: ProofArgs, artifact: Path, heldout: torch.Tensor) -> di
 def _latency(row) -> dict:
     lat = row.latency or {}
     return {"tpot_us": lat.get("tpot_s", float("nan")) * 1e6,
-            "throughput_tok_s": {int(b): v for b, v in (lat.get("throughput_tok_s") or {}).items()}}
+            "throughput_tok_s": {int(b): v for b, v in (lat.get("throughput_tok_s") or {}).items()},
+            "decode_split": {int(b): v for b, v in (lat.get("decode_split") or {}).items()}}
 
 
 def _eval(row, base) -> dict:

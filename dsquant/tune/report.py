@@ -30,7 +30,7 @@ def _predicted(ctx, plan) -> dict:
     choice = _choice(ctx, plan)
     timing = lat.predict(ctx["space"], choice, ctx["table"], ctx["args"].batches)
     return {"kl": plan.kl, "ppl_increase_pct": math.expm1(ctx["c"] * plan.kl) * 100, "weight_gb": plan.bytes / GB,
-            "step_us": timing["step_us"], "throughput_tok_s": timing["throughput_tok_s"], "cost": plan.cost}
+            "step_us": timing["step_us"], "linear_us": timing["linear_us"], "throughput_tok_s": timing["throughput_tok_s"], "cost": plan.cost}
 
 
 def _recipe_text(ctx) -> str:
@@ -67,7 +67,7 @@ def _payload(ctx) -> dict:
         "args": {k: v for k, v in vars(a).items()},
         "budget": {"kl": ctx["budget"], "max_weight_bytes": None if ctx["cap"] == math.inf else ctx["cap"],
                    "ppl_coefficient": ctx["c"], "ppl_coefficient_note": ctx["c_note"]},
-        "fixed_bytes": ctx["fixed_bytes"], "fixed_us": table.fixed,
+        "fixed_bytes": ctx["fixed_bytes"], "fixed_us": table.fixed, "host_us": table.host,
         "chosen": {"choice": _choice(ctx, ctx["chosen"]), "predicted": _predicted(ctx, ctx["chosen"])},
         "uniform": {s: _predicted(ctx, p) for s, p in ctx["uniform"].items()},
         "compared": {n: None if p is None else _predicted(ctx, p) for n, p in ctx.get("compared", {}).items()},
@@ -89,16 +89,21 @@ def _err(pred: float, meas: float) -> str:
 
 
 def _anchored(payload, p: dict, bs: list[int]) -> dict | None:
-    """p's prediction with the fixed work re-timed by the proof's own BF16 baseline: that run's measured
-    BF16 step plus p's predicted Linear time minus BF16's. The engine's per-step host work moves between
-    runs (process, clocks), and every row of one validate run shares it."""
+    """p's prediction with the fixed work and host floor re-timed by the proof's own BF16 baseline
+    (latency.split_fixed on that run's measured BF16 step and its decode split), p's Linears as
+    predicted. The engine's per-step host work moves between runs (process, clocks), and every row
+    of one validate run shares it."""
+    from dsquant.tune.latency import split_fixed
+
     base, bf16 = (payload.get("proof") or {}).get("baseline_latency"), payload["uniform"].get("bf16")
-    if not base or bf16 is None:
+    if not base or bf16 is None or "linear_us" not in p or "linear_us" not in bf16:
         return None
     steps = {}
     for b in bs:
         measured = base["tpot_us"] if b == 1 else b / base["throughput_tok_s"].get(b, math.nan) * 1e6
-        steps[b] = measured + p["step_us"][b] - bf16["step_us"][b]
+        split = (base.get("decode_split") or {}).get(b)
+        fixed, host = split_fixed(measured, split, bf16["linear_us"][b])
+        steps[b] = max(host, fixed + p["linear_us"][b])
     return {"step_us": steps, "throughput_tok_s": {b: b / us * 1e6 for b, us in steps.items()}}
 
 
@@ -152,7 +157,10 @@ def _markdown(ctx, payload) -> str:
              + (f"; weights <= {a.max_weight_gb} GB" if a.max_weight_gb is not None else "") + ".",
              f"Latency: {payload['latency_source']} ({payload['latency_device']}); fixed per-step work "
              + ", ".join(f"b{b} {ctx['table'].fixed.get(b, 0) / 1e3:.3g} ms" for b in bs)
-             + " (a BF16 decode step from the runtime minus its timed Linears).", ""]
+             + " (a BF16 decode step from the runtime minus its timed Linears)"
+             + ("; host floor " + ", ".join(f"b{b} {ctx['table'].host[b] / 1e3:.3g} ms" for b in bs if b in ctx['table'].host)
+                + " (the engine's own work per step: a step costs max(host floor, fixed + Linears))"
+                if ctx['table'].host else "") + ".", ""]
     lines += [f"{n}" for n in payload["latency_notes"] + payload["search"]["notes"]]
     lines += ["## Chosen recipe (recipe.yaml)", "", "| unit | scheme | KL | step share b" + str(bs[0]) + " |",
               "| --- | --- | ---: | ---: |"]

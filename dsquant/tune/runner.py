@@ -49,12 +49,15 @@ class TuneArgs:
 
 
 def latency_spec(batches: list[int], device: str):
-    """The decode-dominated LatencySpec that both the fixed-work timing and the proof use."""
+    """The decode-dominated LatencySpec that both the fixed-work timing and the proof use: decode steps
+    split into host and GPU time (the host floor, latency.py); on CUDA the proof's validate measures
+    its artifacts in 3 interleaved rounds."""
     from dsquant.validate.latency import LatencySpec
 
     out = 128 if device == "cuda" else 16
     return LatencySpec(ttft_input=16, tpot_output=out, throughput_input=16, throughput_output=out // 2,
-                       batch_sizes=tuple(b for b in batches if b > 1), repeats=5 if device == "cuda" else 2)
+                       batch_sizes=tuple(b for b in batches if b > 1), repeats=5 if device == "cuda" else 2,
+                       rounds=3 if device == "cuda" else 1, split_steps=True)
 
 
 def fixed_bytes(model, space: Space) -> int:

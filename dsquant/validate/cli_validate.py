@@ -53,6 +53,9 @@ def _finish(rows, paths) -> None:
 @click.option("--stride", default=None, type=int, help="Window stride (default: window / 2).")
 @click.option("--max-eval-tokens", default=None, type=int, help="Evaluate only the first N tokens of each set.")
 @click.option("--no-latency", is_flag=True, help="Accuracy only.")
+@click.option("--latency-rounds", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Measure every artifact's latency this many times, interleaved (A B C, A B C); each figure "
+                   "is the median over all rounds, so a slow spell of the machine falls on every artifact.")
 @click.option("--no-peers", is_flag=True, help="Skip the bitsandbytes NF4/INT8 peers.")
 @click.option("--lm-eval", "lm_eval", default=None, metavar="TASKS",
               help="lm-evaluation-harness tasks (comma-separated names or YAML paths) run against `dsquant serve` "
@@ -61,12 +64,15 @@ def _finish(rows, paths) -> None:
 @click.option("--lm-eval-limit", default=None, type=click.IntRange(min=1), help="Examples per lm-eval task.")
 @kv_cache_dtype_option()
 def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, window, stride,
-             max_eval_tokens, no_latency, no_peers, lm_eval, lm_eval_limit, kv_cache_dtype):
+             max_eval_tokens, no_latency, latency_rounds, no_peers, lm_eval, lm_eval_limit, kv_cache_dtype):
     """Accuracy (perplexity, KL, top-1) against latency (TTFT, TPOT, tok/s) for each ARTIFACT.
 
     With --kv-cache-dtype fp8 the artifacts run with the FP8 KV cache (the baseline with the model
     dtype's), and each artifact gets a second row, "NAME [KV fp8_e4m3 vs ...]": the same weights with
     the FP8 cache against the model-dtype cache, i.e. what the FP8 cache alone costs."""
+    from dataclasses import replace
+
+    from dsquant.validate.latency import LatencySpec
     from dsquant.validate.runner import ValidateArgs, run_validate, set_cpu_threads
 
     if lm_eval_limit is not None and lm_eval is None:
@@ -76,7 +82,8 @@ def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, w
         set_cpu_threads()
     args = ValidateArgs(list(artifacts), baseline, eval_set, max_ppl_increase, out_dir, device, window,
                         stride, max_eval_tokens, not no_latency, peers=not no_peers, lm_eval=lm_eval,
-                        lm_eval_limit=lm_eval_limit, kv_cache_dtype=kv_cache_dtype)
+                        lm_eval_limit=lm_eval_limit, kv_cache_dtype=kv_cache_dtype,
+                        latency_spec=replace(LatencySpec.for_device(device), rounds=latency_rounds))
     _finish(*run_validate(args, log=lambda m: click.echo(m, err=True)))
 
 

@@ -8,19 +8,25 @@ Every repeat's value is kept (`*_runs`): the report draws their range and warns 
 Prompts are random token ids drawn from a fixed seed, so every artifact sees the same ones.
 Before any timing, every measured shape runs once untimed (a TTFT prompt, a TPOT run, one run per
 batch size), so kernel compilation, CUDA-graph capture for each batch size and allocator growth fall
-outside the timed repeats; Python's garbage collector is off while timing, as timeit does.
+outside the timed repeats; on CUDA a short batch-1 decode then repeats until two runs agree within 5%
+(the host's speed settles); Python's garbage collector is off while timing, as timeit does.
+`rounds` > 1 (validate): every artifact is measured that many times, interleaved, and each figure is
+the median over every round's repeats (merge_rounds), so a slow spell of the machine falls on all
+artifacts alike. `split_steps` also records each decode step's host work and GPU time.
 The timing loop is runtime/engine/timing.py's `timed_generate`, the one the benchmarks use.
 """
 from __future__ import annotations
 
 import gc
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
+from dsquant.runtime.engine.step_times import StepTimes
 from dsquant.runtime.engine.timing import TimedRun, timed_generate
 
 
@@ -32,6 +38,8 @@ class LatencySpec:
     throughput_output: int = 256
     batch_sizes: tuple[int, ...] = (8, 32, 64)
     repeats: int = 3
+    rounds: int = 1  # validate: measure every artifact this many times, interleaved (A B C, A B C, ...)
+    split_steps: bool = False  # also record each decode step's host work and GPU time (decode_split)
 
     @staticmethod
     def for_device(device: str) -> "LatencySpec":
@@ -52,6 +60,24 @@ class LatencyResult:
     ttft_runs: list[float] = field(default_factory=list)  # each repeat, seconds
     tpot_runs: list[float] = field(default_factory=list)
     throughput_runs: dict[int, list[float]] = field(default_factory=dict)  # batch -> each repeat's tok/s
+    # split_steps: batch -> medians over its decode steps of wall, host (wall minus the wait for the
+    # sampled tokens) and GPU (forward + sampling, CUDA events) time in us (runtime/engine/step_times.py)
+    decode_split: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+def merge_rounds(results: list[LatencyResult]) -> LatencyResult:
+    """One result from several measurements of the same model (interleaved rounds): every repeat's
+    value kept, each figure the median over all of them, decode splits the median of the rounds'."""
+    first = results[0]
+    ttfts = [x for r in results for x in r.ttft_runs]
+    tpots = [x for r in results for x in r.tpot_runs]
+    runs = {b: [x for r in results for x in r.throughput_runs.get(b, [])] for b in first.throughput_runs}
+    split = {}
+    for b in first.decode_split:
+        parts = [r.decode_split[b] for r in results if b in r.decode_split]
+        split[b] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    return LatencyResult(first.device, first.spec, statistics.median(ttfts), statistics.median(tpots),
+                         {b: statistics.median(v) for b, v in runs.items()}, ttfts, tpots, runs, split)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -76,6 +102,7 @@ def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtyp
     _run(engine, _prompts(1, 8, vocab, 98), spec.tpot_output)
     for b in spec.batch_sizes:
         _run(engine, _prompts(b, spec.throughput_input, vocab, 97), spec.throughput_output)
+    _settle(engine, vocab, device)
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
@@ -87,18 +114,47 @@ def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtyp
         del engine
 
 
+def _settle(engine: LLMEngine, vocab: int, device: str, max_s: float = 15.0) -> None:
+    """On CUDA, repeat a short batch-1 decode until two runs in a row agree within 5%: a freshly
+    started device machine ran all host code up to 2x slower for its first tens of seconds
+    (scripts/engine_variance.py, H200 2026-12-02), and a decode step there is mostly host work."""
+    if device != "cuda":
+        return
+    prev, start = None, time.perf_counter()
+    while time.perf_counter() - start < max_s:
+        gaps = _run(engine, _prompts(1, 8, vocab, 96), 32).token_gaps()
+        tpot = statistics.median(gaps)
+        if prev is not None and abs(tpot - prev) <= 0.05 * prev:
+            return
+        prev = tpot
+
+
 def _timed(engine: LLMEngine, spec: LatencySpec, vocab: int, device: str) -> LatencyResult:
+    times = StepTimes() if spec.split_steps else None
+    engine.time_steps(times)
+    split: dict[int, dict[str, float]] = {}
     ttfts, tpots = [], []
     for r in range(spec.repeats):
         ttfts.append(_run(engine, _prompts(1, spec.ttft_input, vocab, r), 1).ttfts()[0])
+        if times is not None:
+            times.clear()  # only the decode runs' steps count
         run = _run(engine, _prompts(1, 8, vocab, 100 + r), spec.tpot_output)
         req = run.requests[0]
         tpots.append((req.finished_at - req.token_times[0]) / max(req.output_tokens - 1, 1))
+        if times is not None:
+            split.setdefault(1, []).append(times.split(1))
     runs: dict[int, list[float]] = {}
     for b in spec.batch_sizes:
         for _ in range(spec.repeats):
+            if times is not None:
+                times.clear()
             run = _run(engine, _prompts(b, spec.throughput_input, vocab, 1000 + b), spec.throughput_output)
             last = max(req.finished_at for req in run.requests)
             runs.setdefault(b, []).append(run.output_tokens / (last - run.start))
+            if times is not None:
+                split.setdefault(b, []).append(times.split(b))
+    engine.time_steps(None)
+    medians = {b: {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+               for b, parts in ((b, [p for p in ps if p]) for b, ps in split.items()) if parts}
     return LatencyResult(device, asdict(spec), statistics.median(ttfts), statistics.median(tpots),
-                         {b: statistics.median(v) for b, v in runs.items()}, ttfts, tpots, runs)
+                         {b: statistics.median(v) for b, v in runs.items()}, ttfts, tpots, runs, medians)

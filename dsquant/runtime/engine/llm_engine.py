@@ -28,6 +28,7 @@ from dsquant.runtime.engine.engine_config import EngineConfig
 from dsquant.runtime.model_builder import build_runner
 from dsquant.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from dsquant.runtime.engine.sequence import SamplingParams, Sequence
+from dsquant.runtime.engine.step_times import StepRecord, StepTimes
 from dsquant.runtime.layers.kv_cache import check_kv_cache_dtype
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.async_scheduling = c.async_scheduling and self.workers is None
         self.pending: LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
+        self.step_times: StepTimes | None = None  # set by time_steps(): each step's host / GPU split
+
+    def time_steps(self, times: StepTimes | None) -> None:
+        """Record each step's wall, wait and GPU time into `times` (step_times.py); None stops."""
+        self.step_times = self.runner.step_times = times
 
     def _allocate_kv_cache(self, device: torch.device, max_model_len: int) -> int:
         c = self.config
@@ -167,6 +173,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; read and post-process the tokens of the step launched
         before it (async scheduling) or of this one (otherwise); return their outputs."""
+        times = self.step_times
+        if times is None:
+            return self._step()
+        times.current = rec = StepRecord(0)
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            rec.wall_s = time.perf_counter() - start
+            times.current = None
+            if rec.rows:
+                times.records.append(rec)
+
+    def _step(self) -> list[RequestOutput]:
         pending, outputs = self.pending, []
         if pending is not None and must_drain(pending, self.scheduler):
             outputs, pending = self._finish_step(pending), None
@@ -183,7 +203,11 @@ class LLMEngine:
         """Read a launched step's tokens; put them in place of their placeholders, register full
         blocks, detokenize, check stops, build the outputs. Tokens of sequences finished meanwhile
         (aborted, or stopped a step earlier) are dropped."""
+        rec = self.step_times.current if self.step_times is not None else None
+        wait = time.perf_counter()
         tokens = iter(step.tokens.tolist() if step.tokens is not None else ())
+        if rec is not None:
+            rec.wait_s += time.perf_counter() - wait
         now, outputs, bm = time.monotonic(), [], self.block_manager
         for seq, index in zip(step.seqs, step.token_index):
             if index < 0:

@@ -66,6 +66,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=config.device).manual_seed(seed)
         self.packed = PackedCopy(config.device)  # the step's one host -> device copy
         self.readback = TokenReadback(config.device)  # sampled tokens -> host, without a stream sync
+        self.step_times = None  # engine/step_times.StepTimes while LLMEngine.time_steps records
 
     # ------------------------------------------------------------------ KV cache
     @property
@@ -221,6 +222,11 @@ class ModelRunner:
         back here (a sync)."""
         inputs = self.prepare(batch)
         inputs.penalties = PenaltyTensors.from_seqs(inputs.sampling_seqs, self.cfg.vocab_size, self.config.device)
+        rec = self.step_times.current if self.step_times is not None else None
+        gpu = None
+        if rec is not None and self.config.device.type == "cuda":
+            gpu = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            gpu[0].record()
         if inputs.graph:
             logits = self.graphs.replay(inputs.input_ids.shape[0])
         else:
@@ -232,6 +238,11 @@ class ModelRunner:
             return None
         logits = logits[:n_sample]
         tokens = sample(logits, inputs.sampling, self.generator, inputs.penalties)  # outside any CUDA graph
+        if rec is not None:
+            rec.rows = n_sample
+            if gpu is not None:
+                gpu[1].record()
+                rec.gpu = gpu
         want = [i for i, s in enumerate(inputs.sampling_seqs) if s.logprobs is not None]
         if want:
             rows = torch.tensor(want, device=logits.device)
