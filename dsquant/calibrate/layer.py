@@ -30,6 +30,7 @@ from dsquant.models.moe import MoE
 
 MIN_EXPERT_ROWS = 32  # an expert with fewer captured rows is calibrated on all the layer's tokens
 GPTQ_BATCH_BYTES = 6 << 30  # working set of one batch of experts' GPTQ
+REPORT_ROWS = 4096  # input rows kept per Linear for its output-error report when no AWQ search runs
 NO_CLIP = ("q_proj", "k_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 
 
@@ -136,8 +137,10 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
             raise ConfigError(f"recipe {recipe.name}: group_size {s.group_size} does not divide "
                               f"in_features {linears[n].weight.shape[1]} of {n}")
     n_tokens = hidden.shape[0] * hidden.shape[1]
-    stride = max(1, n_tokens // recipe.awq.max_tokens)
-    with LayerCapture(layer, prefix, gptq_names, recipe.awq.max_tokens, stride) as data:
+    # rows kept per Linear input: what the AWQ searches use, else only the error report's
+    rows = recipe.awq.max_tokens if any(s.scheme == "awq" for s in specs.values()) else REPORT_ROWS
+    stride = max(1, n_tokens // rows)
+    with LayerCapture(layer, prefix, gptq_names, rows, stride) as data:
         _forward(layer, hidden, ctx, batch)
     fallback, tokens = [], []
     if isinstance(layer.mlp, MoE):

@@ -52,7 +52,10 @@ class AWQOptions:
     clip: bool = True
     clip_grid: int = 20
     max_shrink: float = 0.5
-    max_tokens: int = 4096  # tokens used for the loss of one search
+    # rows of each Linear's input kept for the searches (x_mean, member and expert losses): 16384
+    # against 4096 took AWQ g128 ahead of RTN on both bundled models and sets (dsq-tiny-v3 eval_prose
+    # 69.61 against 70.13, RTN 69.96; BENCHMARKS.md, 2026-12-02). The clip search subsamples 4096.
+    max_tokens: int = 16384
     block_loss: bool = True  # score scales by the decoder layer's output (else the members' outputs)
     inspect_samples: int = 4  # calibration sequences the layer-output loss runs on
 
