@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsquant.errors import ConfigError
-from dsquant.quant_config import read_json_object
-from dsquant.quant_config import resolve as resolve_quantization
+from dsquant.formats.quantization_config import read_json_object
+from dsquant.formats.quantization_config import resolve as resolve_quantization
 
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 DENSE_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -81,7 +81,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     raw: dict = field(default_factory=dict, repr=False)
     # a quantization_config read from a side file (AutoAWQ quant_config.json, AutoGPTQ
-    # quantize_config.json) when config.json has none; see quant_config.py
+    # quantize_config.json) when config.json has none; see formats/quantization_config.py
     side_quantization: dict | None = field(default=None, repr=False)
     quantization_source: str | None = None  # the file the quantization_config came from
 

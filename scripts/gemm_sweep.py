@@ -13,7 +13,9 @@ import sys
 import torch
 import triton.testing as tt
 
-from dsquant import formats as F
+from dsquant.formats.awq_gemm import to_awq_tensors
+from dsquant.formats.fp8_block import quantize_fp8_block
+from dsquant.formats.int_grid import quantize_int_groupwise
 from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, m_bucket
 from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_linear
@@ -54,9 +56,9 @@ def main(out_path: str) -> None:
     counters = torch.zeros(8192, dtype=torch.int32, device="cuda")
     for k, n in SHAPES:
         w = torch.randn(n, k, device="cuda") * 0.02
-        q, s, z = F.quantize_int_groupwise(w, 128)
-        int4 = repack_awq(*F.to_awq_tensors(q, s, z, dtype=torch.bfloat16), 128)
-        wq, ws = F.quantize_fp8_block(w)
+        q, s, z = quantize_int_groupwise(w, 128)
+        int4 = repack_awq(*to_awq_tensors(q, s, z, dtype=torch.bfloat16), 128)
+        wq, ws = quantize_fp8_block(w)
         for m in DECODE_M + PREFILL_M:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             for kind in ("w4a16", "fp8"):

@@ -17,8 +17,10 @@ import time
 import torch
 import triton.testing as tt
 
-from dsquant import formats as F
 from dsquant.bench.gemm import _tinygemm_pack
+from dsquant.formats.awq_gemm import to_awq_tensors
+from dsquant.formats.fp8_block import quantize_fp8_block
+from dsquant.formats.int_grid import quantize_int_groupwise
 from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, fp8_gemv_candidates, fp8_tiled_config, w4a16_config
 from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_linear
@@ -77,7 +79,7 @@ def sweep_fp8(rows, best, t0) -> None:
     counters = torch.zeros(8192, dtype=torch.int32, device="cuda")
     for k, n in SHAPES:
         w = torch.randn(n, k, device="cuda") * 0.02
-        wq, ws = F.quantize_fp8_block(w)
+        wq, ws = quantize_fp8_block(w)
         wb = w.to(torch.bfloat16)
         for m in M_VALUES:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -99,8 +101,8 @@ def main(out_path: str, quick: bool, fp8: bool, w4a16: bool) -> None:
             json.dump({"rows": rows, "best": best}, f, indent=1)
     for k, n in (SHAPES if w4a16 else []):
         w = torch.randn(n, k, device="cuda") * 0.02
-        q, s, z = F.quantize_int_groupwise(w, 128)
-        int4 = repack_awq(*F.to_awq_tensors(q, s, z, dtype=torch.bfloat16), 128)
+        q, s, z = quantize_int_groupwise(w, 128)
+        int4 = repack_awq(*to_awq_tensors(q, s, z, dtype=torch.bfloat16), 128)
         dense = dequantize_w4a16(int4, torch.float32)  # [N, K]
         wb = w.to(torch.bfloat16)
         tg = _tinygemm_pack(q, s.float(), z, 128)

@@ -1,6 +1,6 @@
 """A realistic weight (tests/realistic_weights.py) in each checkpoint format, with the float64 dense
 weight those tensors encode, rebuilt here from the quantizer's own codes and scales (not through
-formats.dequantize_*, which the runtime calls: a bug there must not reach the reference too).
+formats' dequantize_*, which the runtime calls: a bug there must not reach the reference too).
 
 `quantize(fmt, w)` -> QuantizedWeight: tensors as a checkpoint stores them (attribute name ->
 tensor, the names QuantLinear's methods read), the dense float64 [N, K], and config.json's
@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dsquant import formats
+from dsquant.formats.awq_gemm import to_awq_tensors
+from dsquant.formats.fp8_block import quantize_fp8_block
+from dsquant.formats.gptq import pack_gptq_qweight, to_gptq_tensors
+from dsquant.formats.int_grid import quantize_int_groupwise
 from tests.realistic_weights import FP8_TILE, realistic_weight
 
 FORMATS = ("fp8", "awq", "gptq", "gptq_act_order")
@@ -41,7 +44,7 @@ def realistic_quantized(fmt: str, n: int, k: int, *, seed: int, group: int = 128
 def quantize(fmt: str, w: torch.Tensor, *, group: int = 128, seed: int = 0) -> QuantizedWeight:
     """w [N, K] float -> its checkpoint tensors in `fmt` and the float64 weight they encode."""
     if fmt == "fp8":
-        q, s = formats.quantize_fp8_block(w)  # [N, K] e4m3, [ceil(N/128), ceil(K/128)] fp32
+        q, s = quantize_fp8_block(w)  # [N, K] e4m3, [ceil(N/128), ceil(K/128)] fp32
         n, k = q.shape
         s64 = s.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
         return QuantizedWeight({"weight": q, "weight_scale_inv": s},
@@ -49,7 +52,7 @@ def quantize(fmt: str, w: torch.Tensor, *, group: int = 128, seed: int = 0) -> Q
                                {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
     if fmt not in FORMATS:
         raise ValueError(fmt)
-    q, s, z = formats.quantize_int_groupwise(w, group)  # codes [N, K], scales / zeros [N, K/G]
+    q, s, z = quantize_int_groupwise(w, group)  # codes [N, K], scales / zeros [N, K/G]
     n, k = q.shape
     if fmt.startswith("gptq"):
         # GPTQ v1 stores zero - 1 in 4 bits: a zero point 0 (a group whose minimum is at most a
@@ -62,16 +65,16 @@ def quantize(fmt: str, w: torch.Tensor, *, group: int = 128, seed: int = 0) -> Q
     g = torch.arange(k) // group
     dense = (q.double() - z.double()[:, g]) * s16.double()[:, g]  # [N, K]
     if fmt == "awq":
-        qw, qz, sc = formats.to_awq_tensors(q, s, z)
+        qw, qz, sc = to_awq_tensors(q, s, z)
         return QuantizedWeight({"qweight": qw, "qzeros": qz, "scales": sc}, dense,
                                {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
                                 "zero_point": True})
-    qw, qz, sc, g_idx = formats.to_gptq_tensors(q, s, z, group)
+    qw, qz, sc, g_idx = to_gptq_tensors(q, s, z, group)
     if fmt == "gptq_act_order":
         # desc_act: input channel k of the stored layer is channel perm[k] of the quantized one,
         # with its code and its group (g_idx no longer sorted)
         perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed + 1))
-        qw = formats.pack_gptq_qweight(q.t()[perm].contiguous())
+        qw = pack_gptq_qweight(q.t()[perm].contiguous())
         g_idx = g_idx[perm]
         dense = dense[:, perm]
     return QuantizedWeight({"qweight": qw, "qzeros": qz, "scales": sc, "g_idx": g_idx}, dense,

@@ -15,10 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsquant import formats
 from dsquant.assets import bundled_model_path
 from dsquant.cli import main
 from dsquant.errors import CheckpointError, ConfigError
+from dsquant.formats.awq_gemm import to_awq_tensors
+from dsquant.formats.gptq import dequantize_gptq, to_gptq_tensors
+from dsquant.formats.int_grid import dequantize_int_groupwise, quantize_int_groupwise
 from dsquant.models import load_model
 from dsquant.models.layers import Backends
 from dsquant.runtime.loader import load_runtime_model
@@ -48,7 +50,7 @@ def grids():
         if not _is_linear(name, t):
             continue
         w = t.float()
-        q, s, z = formats.quantize_int_groupwise(w, G)
+        q, s, z = quantize_int_groupwise(w, G)
         z = z.clamp(min=1)  # GPTQ v1 cannot store zero point 0: clamp and re-round (as calibrate does)
         n, k = w.shape
         q = (torch.round(w.reshape(n, k // G, G) / s[..., None]) + z[..., None]).clamp(0, 15)
@@ -68,10 +70,10 @@ def write(tmp_path, grids, name: str, fmt: str, config_q: dict | None, side: tup
         mod = key[: -len(".weight")]
         q, s, z = codes[key]
         if fmt == "awq":
-            qw, qz, sc = formats.to_awq_tensors(q, s, z)
+            qw, qz, sc = to_awq_tensors(q, s, z)
             tensors.update({f"{mod}.qweight": qw, f"{mod}.qzeros": qz, f"{mod}.scales": sc})
         else:
-            qw, qz, sc, gi = formats.to_gptq_tensors(q, s, z, G, v2=fmt == "gptq_v2")
+            qw, qz, sc, gi = to_gptq_tensors(q, s, z, G, v2=fmt == "gptq_v2")
             tensors.update({f"{mod}.qweight": qw, f"{mod}.qzeros": qz, f"{mod}.scales": sc, f"{mod}.g_idx": gi})
     if edit is not None:
         edit(tensors)
@@ -146,10 +148,10 @@ def test_gptq_v2_repack_for_the_kernels_matches_dequantize():
     from dsquant.runtime.kernels.gemm.w4a16_repack import dequantize_w4a16, repack_gptq
 
     w = torch.randn(32, 128)
-    q, s, z = formats.quantize_int_groupwise(w, 32)  # zero points may be 0: v2 stores them
-    qw, qz, sc, gi = formats.to_gptq_tensors(q, s, z, 32, dtype=torch.float32, v2=True)
-    dense = formats.dequantize_gptq(qw, qz, sc, gi, v2=True)
-    assert torch.allclose(dense, formats.dequantize_int_groupwise(q, s, z, 32))
+    q, s, z = quantize_int_groupwise(w, 32)  # zero points may be 0: v2 stores them
+    qw, qz, sc, gi = to_gptq_tensors(q, s, z, 32, dtype=torch.float32, v2=True)
+    dense = dequantize_gptq(qw, qz, sc, gi, v2=True)
+    assert torch.allclose(dense, dequantize_int_groupwise(q, s, z, 32))
     assert torch.allclose(dequantize_w4a16(repack_gptq(qw, qz, sc, gi, v2=True)), dense)
 
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from dsquant import formats
+from dsquant.formats.fp8_block import fp8_block_shape, quantize_fp8_block
 from dsquant.models import load_model
 
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -46,7 +46,7 @@ def write_fp8_checkpoint(root, dims: dict):
     tensors = {}
     for name, t in dense.items():
         if is_fp8_target(name, t):
-            q, s = formats.quantize_fp8_block(t)
+            q, s = quantize_fp8_block(t)
             tensors[name], tensors[name[: -len("weight")] + "weight_scale_inv"] = q, s
         else:
             tensors[name] = t
@@ -69,7 +69,7 @@ def test_fp8_load_equals_float_within_rounding(tmp_path):
             assert torch.equal(params[name], w), name
             continue
         scale = tensors[name[: -len("weight")] + "weight_scale_inv"]
-        assert scale.shape == formats.fp8_block_shape(*w.shape)
+        assert scale.shape == fp8_block_shape(*w.shape)
         # e4m3 keeps 3 mantissa bits: relative error <= 2^-4, plus subnormal steps near zero
         step = scale.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
         bound = w.abs() * 2 ** -4 + step * 2 ** -9

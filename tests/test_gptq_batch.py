@@ -106,7 +106,7 @@ def test_quantized_checkpoint_is_the_same_without_batching(tmp_path, monkeypatch
 
 
 def test_static_groups_take_their_grid_from_the_weights_before_gptq_moves_them():
-    from dsquant import formats
+    from dsquant.formats.int_grid import dequantize_int_groupwise, quantize_int_groupwise
 
     w, hs = _experts(1, 32, 128, seed=3)
     spec = SchemeSpec("gptq", 4, 32)
@@ -117,14 +117,14 @@ def test_static_groups_take_their_grid_from_the_weights_before_gptq_moves_them()
             lazy = gptq_quantize(w[0], hs[0], spec, GPTQOptions(sym=sym, act_order=act_order, static_groups=False),
                                  torch.float16)
             if sym:  # the symmetric grid is RTN's symmetric grid of the original weights, in column order
-                _, scales, zeros = formats.quantize_int_groupwise(w[0], 32, 4, symmetric=True)
+                _, scales, zeros = quantize_int_groupwise(w[0], 32, 4, symmetric=True)
                 torch.testing.assert_close(static.scales.float(), scales.to(torch.float16).float(), rtol=0, atol=0)
                 assert torch.equal(static.zeros, zeros)
             assert torch.equal(static.g_idx, torch.arange(128, dtype=torch.int32) // 32)  # identity, even act-order
             assert not torch.equal(static.scales, lazy.scales)  # the lazy grid follows the updated weights
             assert not torch.equal(static.q, lazy.q)
             # the codes on the stored grid give the dequantized weight (what a reader computes)
-            rebuilt = formats.dequantize_int_groupwise(static.q, static.scales.float(), static.zeros, 32)
+            rebuilt = dequantize_int_groupwise(static.q, static.scales.float(), static.zeros, 32)
             torch.testing.assert_close(rebuilt, static.dequantized, rtol=0, atol=0)
         if act_order:  # act-order changes which columns absorb the error
             plain = gptq_quantize(w[0], hs[0], spec, GPTQOptions(sym=sym, act_order=False), torch.float16)

@@ -6,11 +6,11 @@ import pytest
 from safetensors import safe_open
 
 from dsquant.calibrate.cli_quantize import parse_size
+from dsquant.calibrate.export_format import choose_format
 from dsquant.calibrate.presets import preset_recipe
 from dsquant.calibrate.recipe import load_recipe
 from dsquant.cli import main
 from dsquant.errors import ConfigError, DsquantError
-from dsquant.export.codecs import choose_format
 
 
 def run_main(capsys, args):

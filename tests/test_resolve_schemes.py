@@ -2,10 +2,11 @@
 and the expert-coverage stats and warning (models/manifest.py), without running a model."""
 import pytest
 
+from dsquant.calibrate.export_format import choose_format
 from dsquant.calibrate.recipe import SchemeSpec, parse_recipe
 from dsquant.calibrate.resolve import resolve_schemes
 from dsquant.errors import ConfigError
-from dsquant.export.codecs import choose_format, not_convert_names
+from dsquant.export.codecs import not_convert_names
 from dsquant.models.manifest import coverage_warning, expert_coverage, fold_names
 
 SHAPES = {  # full name -> (out_features N, in_features K)

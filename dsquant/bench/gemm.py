@@ -61,21 +61,23 @@ def _tinygemm_pack(q, scales, zeros, group):
 def _weights(k, n, group, seed):
     import torch
 
-    from dsquant import formats as F
+    from dsquant.formats.awq_gemm import to_awq_tensors
+    from dsquant.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
+    from dsquant.formats.int_grid import dequantize_int_groupwise, quantize_int_groupwise
     from dsquant.runtime.kernels.gemm.w4a16_repack import repack_awq
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)  # [N, K]
-    q, s, z = F.quantize_int_groupwise(w, group)
-    qweight, qzeros, scales = F.to_awq_tensors(q, s, z, dtype=torch.bfloat16)
+    q, s, z = quantize_int_groupwise(w, group)
+    qweight, qzeros, scales = to_awq_tensors(q, s, z, dtype=torch.bfloat16)
     int4 = repack_awq(qweight, qzeros, scales, group)
-    w_int4 = F.dequantize_int_groupwise(q, scales.t().float(), z, group)  # [N, K] what int4 sees
+    w_int4 = dequantize_int_groupwise(q, scales.t().float(), z, group)  # [N, K] what int4 sees
     try:
         tg = _tinygemm_pack(q, scales.t().float(), z, group)
     except RuntimeError as e:  # recorded as "refused" for each M
         tg = (e, None)
-    wq, ws = F.quantize_fp8_block(w)
-    w_fp8 = F.dequantize_fp8_block(wq, ws)
+    wq, ws = quantize_fp8_block(w)
+    w_fp8 = dequantize_fp8_block(wq, ws)
     return dict(w=w, int4=int4, w_int4=w_int4, tg=tg, fp8=(wq, ws), w_fp8=w_fp8)
 
 

@@ -60,7 +60,9 @@ def build_layer(fmt: str, dense, device):
     -> MoeWeights with the shared experts stacked after the routed ones."""
     import torch
 
-    from dsquant import formats
+    from dsquant.formats.awq_gemm import to_awq_tensors
+    from dsquant.formats.fp8_block import quantize_fp8_block
+    from dsquant.formats.int_grid import quantize_int_groupwise
     from dsquant.runtime.kernels.moe.fused_moe import MoeWeights, bf16_experts, split_shared_experts
     from dsquant.runtime.kernels.moe.fused_moe_fp8 import fp8_experts
     from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts_from_awq
@@ -73,10 +75,10 @@ def build_layer(fmt: str, dense, device):
         if fmt == "bf16":
             return bf16_experts(w)
         if fmt == "int4":
-            parts = [formats.to_awq_tensors(*formats.quantize_int_groupwise(w[e].float(), 128), dtype=w.dtype)
+            parts = [to_awq_tensors(*quantize_int_groupwise(w[e].float(), 128), dtype=w.dtype)
                      for e in range(w.shape[0])]
             return int4_experts_from_awq(*[torch.stack([p[i] for p in parts]) for i in range(3)], 128)
-        parts = [formats.quantize_fp8_block(w[e]) for e in range(w.shape[0])]
+        parts = [quantize_fp8_block(w[e]) for e in range(w.shape[0])]
         return fp8_experts(torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts]))
 
     return MoeWeights(convert(all13), convert(all2))
@@ -130,8 +132,8 @@ def _random_dense(device, gen):
 def _routing(t, device, gen):
     import torch
 
-    from dsquant.runtime.kernels.moe.fused_moe import with_shared_experts
     from dsquant.models.routing import RoutingConfig, route
+    from dsquant.runtime.kernels.moe.fused_moe import with_shared_experts
 
     x = torch.randn(t, H, generator=gen, device=device).to(torch.bfloat16)
     gate = torch.randn(E, H, generator=gen, device=device) / H ** 0.5

@@ -4,8 +4,9 @@
 each tensor on demand on the target device, so `load_runtime_model` and `LLMEngine` load a
 15.7B-parameter model "from" it in BF16, FP8 block or INT4 without writing it to disk. Every
 weight comes from one seeded normal draw per tensor name (std 0.02, norms 1), so the three
-schemes are the same model: FP8 is `formats.quantize_fp8_block` of the BF16 weight (DeepSeek-V3
-layout), INT4 its round-to-nearest AWQ g128 (AutoAWQ "gemm" tensors).
+schemes are the same model: FP8 is `quantize_fp8_block` of the BF16 weight (DeepSeek-V3 layout),
+INT4 its round-to-nearest AWQ g128 (AutoAWQ "gemm" tensors); config.json states them through
+the formats' dataclasses (Fp8BlockConfig, AwqConfig), as quantize's export does.
 
 `write_random_checkpoint` saves the BF16 form as sharded safetensors (one shard per decoder
 layer, an index), for the commands that read a directory (quantize, validate).
@@ -16,12 +17,16 @@ import json
 import math
 import shutil
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from dsquant import formats
 from dsquant.config import load_config
+from dsquant.formats import AwqConfig, Fp8BlockConfig, parse_quantization_config
+from dsquant.formats.awq_gemm import to_awq_tensors
+from dsquant.formats.fp8_block import quantize_fp8_block
+from dsquant.formats.int_grid import quantize_int_groupwise
 
 # DeepSeek-V2-Lite's config.json (27 layers, 15.7B parameters, 64 routed experts top-6, 2 shared).
 V2_LITE: dict = dict(
@@ -51,12 +56,8 @@ V3: dict = dict(
 
 SCHEMES = ("bf16", "fp8", "int4")
 INT4_GROUP = 128
-QUANT_CONFIG = {
-    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128]},
-    "int4": {"quant_method": "awq", "bits": 4, "group_size": INT4_GROUP, "zero_point": True,
-             "version": "gemm", "modules_to_not_convert": None},
-}
+# the schemes' quantization_config: DeepSeek-V3's FP8 (no modules_to_not_convert), AutoAWQ's (null)
+QUANT_CONFIG = {"fp8": Fp8BlockConfig(), "int4": AwqConfig(INT4_GROUP, modules_to_not_convert=())}
 
 
 def make_config_dir(path: str | Path, config: dict, scheme: str = "bf16", **overrides) -> Path:
@@ -68,14 +69,14 @@ def make_config_dir(path: str | Path, config: dict, scheme: str = "bf16", **over
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = {**config, **overrides}
-    if scheme != "bf16":
-        cfg["quantization_config"] = dict(QUANT_CONFIG[scheme])
+    quant = QUANT_CONFIG.get(scheme)
     if scheme == "int4" and cfg.get("intermediate_size", 0) % INT4_GROUP:
         # V2-Lite's dense MLP (intermediate 10944 = 85.5 x 128): its down_proj has no g128 grid; keep it
         # BF16, as an AWQ g128 export of V2-Lite must
         dense_layers = range(cfg.get("first_k_dense_replace", 0))
-        cfg["quantization_config"]["modules_to_not_convert"] = [f"model.layers.{i}.mlp.down_proj"
-                                                                for i in dense_layers]
+        quant = replace(quant, modules_to_not_convert=tuple(f"model.layers.{i}.mlp.down_proj" for i in dense_layers))
+    if quant is not None:
+        cfg["quantization_config"] = quant.to_dict()
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     tok = Path(tokenizer_path())
     for f in (tok.glob("*") if tok.is_dir() else [tok]):
@@ -106,8 +107,8 @@ class RandomCheckpointReader:
                  std: float = 0.02):
         self.root = Path(model_dir)
         self.device, self.seed, self.std = torch.device(device), seed, std
-        q = load_config(model_dir).quantization_config or {}
-        self.scheme = {"fp8": "fp8", "awq": "int4"}.get(q.get("quant_method"), "bf16")
+        fmt = parse_quantization_config(load_config(model_dir).quantization_config)
+        self.scheme = {Fp8BlockConfig: "fp8", AwqConfig: "int4"}.get(type(fmt), "bf16")
         self.layout = _checkpoint_layout(self.root)  # {name: (shape, dtype)}
         self._pending: dict[str, torch.Tensor] = {}  # tensors of a module made together, not yet read
         from dsquant.models.checkpoint import layer_of
@@ -147,7 +148,7 @@ class RandomCheckpointReader:
             return self._pending.pop(key)
         if self.scheme == "fp8" and f"{mod}.weight_scale_inv" in self.layout:
             w = self.dense(f"{mod}.weight", self._dense_shape(mod))
-            fp8, sinv = formats.quantize_fp8_block(w)
+            fp8, sinv = quantize_fp8_block(w)
             self._pending.update({f"{mod}.weight": fp8, f"{mod}.weight_scale_inv": sinv})
             return self._pending.pop(key)
         return self.dense(key, shape)
@@ -171,8 +172,8 @@ class RandomCheckpointReader:
 
     def _awq(self, mod: str) -> dict[str, torch.Tensor]:
         w = self.dense(f"{mod}.weight", self._dense_shape(mod))  # [N, K]
-        q, s, z = formats.quantize_int_groupwise(w.float(), INT4_GROUP)  # round to nearest
-        qw, qz, sc = formats.to_awq_tensors(q, s, z)
+        q, s, z = quantize_int_groupwise(w.float(), INT4_GROUP)  # round to nearest
+        qw, qz, sc = to_awq_tensors(q, s, z)
         return {f"{mod}.qweight": qw, f"{mod}.qzeros": qz, f"{mod}.scales": sc}
 
 

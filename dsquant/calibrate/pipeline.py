@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dsquant.calibrate.export_format import choose_format
 from dsquant.calibrate.layer import layer_forward, quantize_layer
 from dsquant.calibrate.recipe import Recipe, load_recipe
 from dsquant.calibrate.resolve import ResolvedSchemes, resolve_schemes
@@ -43,7 +44,7 @@ class QuantizeArgs:
     device: str = "cpu"
     force: bool = False
     batch_size: int = 8
-    format: str | None = None  # None / "auto": the recipe's native format (codecs.choose_format)
+    format: str | None = None  # None / "auto": the recipe's native format (export_format.choose_format)
     max_shard_bytes: int | None = None  # a layer's shard over this is written as several files
     calib_column: str = "text"
     calib_split: str | None = None
@@ -86,7 +87,7 @@ def run_quantize(args: QuantizeArgs, progress=None, module_progress=None) -> Qua
     cfg = model.config
     check_layer_headers(model, source)  # every layer against config.json before the first is quantized
     resolved = resolve_schemes(model, recipe)  # every Linear's scheme from its shape (on_indivisible: error fails)
-    fmt = codecs.choose_format(recipe, args.format, resolved.int_groups())
+    fmt = choose_format(recipe, args.format, resolved.int_groups())
     if fmt in ("awq", "gptq"):
         resolved = resolved.single_group(fmt)  # other groups stay BF16
     device = torch.device(args.device)
@@ -170,7 +171,9 @@ def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, resolved: Res
     schemes = {n: tuple(s) for st in layers.values() for n, s in st["schemes"].items() if s[0] != "bf16"}
     kept = sorted({n for st in layers.values() for n, s in st["schemes"].items() if s[0] == "bf16"})
     config = dict(cfg.raw)
-    config["quantization_config"] = codecs.quantization_config(fmt, recipe, schemes, kept, set(resolved.fallbacks))
+    config["quantization_config"] = codecs.quantization_config(fmt, schemes, kept, set(resolved.fallbacks),
+                                                               default_group=recipe.default.group_size,
+                                                               gptq=recipe.gptq)
     config["torch_dtype"] = config["dtype"] = "bfloat16"
     installed = versions()
     config["dsquant"] = config_entry(installed)  # serving insists on it

@@ -1,4 +1,4 @@
-"""Weight quantizers on the shared grids (formats.py), and the result every method returns.
+"""Weight quantizers on the shared grids (formats/int_grid.py, formats/fp8_block.py), and the result every method returns.
 
 All math is in float32 on the layer's device. `QuantizedWeight.dequantized` is exactly what an
 artifact reader computes from the exported tensors (scales are rounded to their export dtype
@@ -10,8 +10,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dsquant import formats
 from dsquant.calibrate.recipe import SchemeSpec
+from dsquant.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
+from dsquant.formats.int_grid import dequantize_int_groupwise, quantize_int_groupwise
 
 
 @dataclass
@@ -41,10 +42,10 @@ class QuantizedWeight:
 def int_grid(w: torch.Tensor, spec: SchemeSpec, scale_dtype: torch.dtype, symmetric: bool = False,
              clip_ratio: torch.Tensor | float = 1.0) -> QuantizedWeight:
     """Round-to-nearest onto the group grid; w [N, K] float32."""
-    _, scales, zeros = formats.quantize_int_groupwise(w, spec.group_size, spec.bits, symmetric, clip_ratio)
+    _, scales, zeros = quantize_int_groupwise(w, spec.group_size, spec.bits, symmetric, clip_ratio)
     scales = scales.to(scale_dtype).to(torch.float32).clamp(min=torch.finfo(scale_dtype).tiny)
     q = codes_for(w, scales, zeros, spec)
-    deq = formats.dequantize_int_groupwise(q, scales, zeros, spec.group_size)
+    deq = dequantize_int_groupwise(q, scales, zeros, spec.group_size)
     return QuantizedWeight(spec, deq, q=q, scales=scales.to(scale_dtype), zeros=zeros)
 
 
@@ -65,8 +66,8 @@ def fake_int(w: torch.Tensor, spec: SchemeSpec, scale_dtype: torch.dtype,
 
 
 def fp8_block(w: torch.Tensor, spec: SchemeSpec) -> QuantizedWeight:
-    fp8, scale_inv = formats.quantize_fp8_block(w)
-    return QuantizedWeight(spec, formats.dequantize_fp8_block(fp8, scale_inv), fp8=fp8, scale_inv=scale_inv)
+    fp8, scale_inv = quantize_fp8_block(w)
+    return QuantizedWeight(spec, dequantize_fp8_block(fp8, scale_inv), fp8=fp8, scale_inv=scale_inv)
 
 
 def fake_quant(w: torch.Tensor, spec: SchemeSpec, scale_dtype: torch.dtype) -> torch.Tensor:

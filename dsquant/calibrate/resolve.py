@@ -12,7 +12,7 @@ which the manifest and the quantize summary print.
 
 Formats with one group size for the whole model (AutoAWQ, GPTQ: `single_group`) keep the
 modules whose resolved group differs in BF16 instead; `--format auto` writes compressed-tensors,
-which has a config group per group size, when the resolved groups differ (export/codecs.py).
+which has a config group per group size, when the resolved groups differ (export_format.py).
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 `load_model(path)` gives the reference model (dense linears). Quantized tensors found where the
 model has a dense weight are dequantized as they load: DeepSeek-V3 native FP8 (`weight` e4m3 +
 `weight_scale_inv`), AWQ "gemm" and GPTQ v1 / v2, checked against the config first
-(int4_check.py). Linears made by a runtime factory carry the checkpoint's own tensor names, and
-their tensors are copied as they are.
+(formats/int4_check.py), and compressed-tensors pack-quantized. Linears made by a runtime factory
+carry the checkpoint's own tensor names, and their tensors are copied as they are.
 Never executes code from a checkpoint and never unpickles.
 """
 from __future__ import annotations
@@ -14,11 +14,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dsquant import formats
 from dsquant.config import ModelConfig, load_config
 from dsquant.errors import CheckpointError
-from dsquant.int4_check import INT4_TENSORS, check_g_idx, check_int4_shapes
-from dsquant.quant_config import int4_spec
+from dsquant.formats import AwqConfig, GptqConfig, parse_quantization_config
+from dsquant.formats.awq_gemm import dequantize_awq
+from dsquant.formats.compressed_tensors import dequantize_pack_quantized
+from dsquant.formats.fp8_block import dequantize_fp8_block
+from dsquant.formats.gptq import dequantize_gptq
+from dsquant.formats.int4_check import INT4_TENSORS, check_g_idx, check_int4_shapes
+from dsquant.formats.int_grid import group_index
 from dsquant.models.causal_lm import CausalLM
 from dsquant.models.checkpoint import CheckpointReader, layer_of
 from dsquant.models.layers import Backends
@@ -39,11 +43,10 @@ class WeightSource:
 
     def __init__(self, reader: CheckpointReader, cfg: ModelConfig):
         self.reader, self.cfg = reader, cfg
-        q = cfg.quantization_config or {}
-        self.quant_method = q.get("quant_method")
-        source = cfg.quantization_source or "config.json"
+        self.format = parse_quantization_config(cfg.quantization_config, cfg.quantization_source or "config.json")
+        self.quant_method = self.format.method if self.format is not None else None
         # INT4 config (validated: bits, group size, format version); absent: AWQ g128 / GPTQ v1
-        self.int4 = int4_spec(q, source) if self.quant_method in ("awq", "gptq") else None
+        self.int4 = self.format if isinstance(self.format, (AwqConfig, GptqConfig)) else None
         self.group_size = self.int4.group_size if self.int4 else 128
         self.consumed: set[str] = set()
 
@@ -66,7 +69,7 @@ class WeightSource:
                     raise CheckpointError(f"{reader.file_of(key)}: tensor {key!r} is {t.dtype} but "
                                           f"{scale_key!r} is missing (FP8 block weights need it)")
                 try:
-                    return formats.dequantize_fp8_block(t, self._take(scale_key), dtype)
+                    return dequantize_fp8_block(t, self._take(scale_key), dtype)
                 except ValueError as e:
                     raise CheckpointError(f"{reader.file_of(scale_key)}: tensor {scale_key!r}: {e}") from None
             return t
@@ -100,31 +103,22 @@ class WeightSource:
         if gptq:
             g_idx = t.get("g_idx")
             if g_idx is None:
-                g_idx = formats.group_index(k, group)
+                g_idx = group_index(k, group)
             else:
                 check_g_idx(g_idx, k, group, f"{prefix}.g_idx", file_of(f"{prefix}.g_idx"))
-            return formats.dequantize_gptq(qw, t["qzeros"], t["scales"], g_idx, dtype,
-                                           v2=bool(self.int4 and self.int4.v2))
-        return formats.dequantize_awq(qw, t["qzeros"], t["scales"], group, dtype)
+            return dequantize_gptq(qw, t["qzeros"], t["scales"], g_idx, dtype, v2=bool(self.int4 and self.int4.v2))
+        return dequantize_awq(qw, t["qzeros"], t["scales"], group, dtype)
 
     def _pack_quantized(self, prefix: str, dtype: torch.dtype) -> torch.Tensor:
         """compressed-tensors pack-quantized INT4 (group strategy) -> dense [N, K]."""
-        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
         packed = self._take(f"{prefix}.weight_packed")
-        scale = self._take(f"{prefix}.weight_scale").to(torch.float32)  # [N, K/G]
+        scale = self._take(f"{prefix}.weight_scale")  # [N, K/G]
         n, k = packed.shape[0], packed.shape[1] * 8
         if f"{prefix}.weight_shape" in self.reader:
             n, k = (int(v) for v in self._take(f"{prefix}.weight_shape"))
-        q = unpack_from_int32(packed, 4, torch.Size([n, k])).to(torch.float32)  # signed codes
-        if f"{prefix}.weight_zero_point" in self.reader:
-            zp = unpack_from_int32(self._take(f"{prefix}.weight_zero_point"), 4,
-                                   torch.Size([n, scale.shape[1]]), packed_dim=0).to(torch.float32)
-        else:
-            zp = torch.zeros_like(scale)
-        g = k // scale.shape[1]
-        w = (q.reshape(n, -1, g) - zp[..., None]) * scale[..., None]
-        return w.reshape(n, k).to(dtype)
+        zp_key = f"{prefix}.weight_zero_point"
+        zero_point = self._take(zp_key) if zp_key in self.reader else None
+        return dequantize_pack_quantized(packed, scale, zero_point, (n, k), dtype)
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -4,9 +4,10 @@ Used by `dsquant inspect`: architecture, layer mix, parameter count, and for eac
 (e.g. `self_attn.q_a_proj`, `mlp.experts.*.down_proj`) how many modules, their dtype and
 format (bf16, fp8-block, int4-awq, int4-gptq, compressed-tensors packed), and for quantized
 checkpoints the quantization_config (from config.json, or AutoAWQ's quant_config.json /
-AutoGPTQ's quantize_config.json), its parsed INT4 scheme and which module types it covers; for
-dsquant artifacts also what dsquant.json tells of calibration: modules that fell back from their
-recipe scheme, per-layer expert coverage and its warnings (manifest.py).
+AutoGPTQ's quantize_config.json), its parsed INT4 scheme (formats.parse_quantization_config) and
+which module types it covers; for dsquant artifacts also what dsquant.json tells of calibration:
+modules that fell back from their recipe scheme, per-layer expert coverage and its warnings
+(manifest.py).
 """
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsquant.config import ModelConfig, load_config
+from dsquant.formats import AwqConfig, GptqConfig, parse_quantization_config
 from dsquant.models.causal_lm import CausalLM
 from dsquant.models.checkpoint import CheckpointReader
 from dsquant.models.manifest import coverage_warnings, manifest_report, read_manifest
 from dsquant.models.verify import verify_checkpoint
-from dsquant.quant_config import Int4Spec, int4_spec
 
 _LAYER = re.compile(r"\blayers\.\d+\.")
 _EXPERT = re.compile(r"\bexperts\.\d+\.")
@@ -49,7 +50,7 @@ class CheckpointSummary:
     quantization: dict | None
     tensors_checked: int = 0
     quantization_source: str | None = None  # config.json, quant_config.json or quantize_config.json
-    int4: Int4Spec | None = None  # parsed AWQ / GPTQ config
+    int4: AwqConfig | GptqConfig | None = None  # parsed AWQ / GPTQ config
     manifest: dict | None = None  # dsquant.json of a dsquant artifact
 
     def calibration_info(self) -> dict | None:
@@ -120,7 +121,8 @@ def summarize(model_dir: str | Path) -> CheckpointSummary:
         elif suffix not in AUX_TENSORS:
             numel[prefix] = numel.get(prefix, 0) + n
     qcfg = cfg.quantization_config
-    method = (qcfg or {}).get("quant_method")
+    fmt = parse_quantization_config(qcfg, cfg.quantization_source or "config.json")
+    method = fmt.method if fmt is not None else None
     types: dict[str, ModuleTypeInfo] = {}
     for prefix, tensors in sorted(per_module.items()):
         info = types.setdefault(module_type(prefix), ModuleTypeInfo())
@@ -134,7 +136,7 @@ def summarize(model_dir: str | Path) -> CheckpointSummary:
         disk_bytes=reader.total_bytes(), num_shards=len(set(reader.key_to_file.values())),
         dense_layers=n_layers - moe, moe_layers=moe, module_types=types, quantization=qcfg,
         tensors_checked=checked, quantization_source=cfg.quantization_source,
-        int4=int4_spec(qcfg, cfg.quantization_source or "config.json") if method in ("awq", "gptq") else None,
+        int4=fmt if isinstance(fmt, (AwqConfig, GptqConfig)) else None,
         manifest=read_manifest(model_dir))
 
 

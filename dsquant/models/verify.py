@@ -3,17 +3,17 @@
 `dsquant inspect` runs this, so a wrong shape, a wrong dtype or a missing tensor is reported
 before any weight is read. For each tensor the reference model expects, the checkpoint must
 hold it dense, or in a quantized form whose shapes agree (FP8 block, AWQ gemm, GPTQ v1 / v2
-against the parsed group size and in/out features (int4_check.py), compressed-tensors
+against the parsed group size and in/out features (formats/int4_check.py), compressed-tensors
 pack-quantized).
 """
 from __future__ import annotations
 
 from dsquant.errors import CheckpointError
-from dsquant.formats import fp8_block_shape
-from dsquant.int4_check import INT4_TENSORS, check_int4_shapes
+from dsquant.formats import AwqConfig, GptqConfig, parse_quantization_config
+from dsquant.formats.fp8_block import fp8_block_shape
+from dsquant.formats.int4_check import INT4_TENSORS, check_int4_shapes
 from dsquant.models.causal_lm import CausalLM
 from dsquant.models.checkpoint import CheckpointReader
-from dsquant.quant_config import Int4Spec, int4_spec
 
 FLOAT = ("BF16", "F16", "F32")
 FP8 = ("F8_E4M3", "F8_E5M2")
@@ -36,7 +36,8 @@ def _expect(reader, key, shape, dtypes) -> None:
         raise _fail(reader, key, f"has dtype {found_dtype}, expected one of {', '.join(dtypes)}")
 
 
-def _check_linear(reader: CheckpointReader, prefix: str, n: int, k: int, spec: Int4Spec | None) -> bool:
+def _check_linear(reader: CheckpointReader, prefix: str, n: int, k: int,
+                  spec: AwqConfig | GptqConfig | None) -> bool:
     """True if the module's weight is present in some known form (raises if malformed)."""
     w = f"{prefix}.weight"
     if w in reader:
@@ -70,8 +71,8 @@ def _check_linear(reader: CheckpointReader, prefix: str, n: int, k: int, spec: I
 def verify_checkpoint(model: CausalLM, reader: CheckpointReader) -> int:
     """Raise CheckpointError on the first missing or malformed tensor; return tensors checked."""
     cfg = model.config
-    q = cfg.quantization_config or {}
-    spec = int4_spec(q, cfg.quantization_source or "config.json") if q.get("quant_method") in ("awq", "gptq") else None
+    fmt = parse_quantization_config(cfg.quantization_config, cfg.quantization_source or "config.json")
+    spec = fmt if isinstance(fmt, (AwqConfig, GptqConfig)) else None
     checked = 0
     for name, p in list(model.named_parameters()):
         prefix, _, attr = name.rpartition(".")

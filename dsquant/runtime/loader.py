@@ -6,9 +6,9 @@
    and nothing vouches for its shards (verify=False, `dsquant serve --no-verify`, serves it
    anyway). Other checkpoints get the cheap check: each shard's size against its header.
 2. The model is built with a LinearFactory (one method object per Linear, chosen from
-   quantization_config, or AutoAWQ / AutoGPTQ side files: quant_config.py) and the runtime's
+   quantization_config, or AutoAWQ / AutoGPTQ side files: formats/quantization_config.py) and the runtime's
    attention and MoE backends. AWQ / GPTQ tensors are checked against the config (bits, group
-   size, in/out features, g_idx) before they are used (int4_check.py).
+   size, in/out features, g_idx) before they are used (formats/int4_check.py).
 3. Layer by layer: float tensors of plain modules load through models.loader (cast to the model
    dtype, dequantized when a dense module meets a quantized tensor); a QuantLinear's own tensors
    are copied as stored (int32 codes, fp8, fp32 / fp16 scales); then each method repacks its
@@ -23,7 +23,7 @@ import torch
 
 from dsquant.config import load_config
 from dsquant.errors import CheckpointError
-from dsquant.int4_check import check_g_idx, check_int4_shapes
+from dsquant.formats.int4_check import check_g_idx, check_int4_shapes
 from dsquant.models.causal_lm import CausalLM
 from dsquant.models.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader, check_shard_size, sha256_file
 from dsquant.models.layers import Backends
@@ -79,7 +79,7 @@ def verify_manifest(model_dir: str | Path) -> int:
 
 
 def _check_int4(module: QuantLinear, prefix: str, tensors: dict, reader) -> None:
-    """AWQ / GPTQ tensors against the config (int4_check.py): named error, never a wrong decode."""
+    """AWQ / GPTQ tensors against the config (formats/int4_check.py): named error, never a wrong decode."""
     method = module.method
     shapes = {a: tuple(t.shape) for a, t in tensors.items()}
     file_of = lambda key: str(reader.file_of(key)) if key in reader else str(reader.root)  # noqa: E731

@@ -21,7 +21,9 @@ def _runtime_linear(key: str, n: int, k: int, device: str, dtype: torch.dtype, c
     """A runtime QuantLinear of scheme `key` with random weights [N, K], processed as the loader does."""
     from torch import nn
 
-    from dsquant import formats
+    from dsquant.formats.awq_gemm import to_awq_tensors
+    from dsquant.formats.fp8_block import quantize_fp8_block
+    from dsquant.formats.int_grid import quantize_int_groupwise
     from dsquant.runtime.layers.linear import QuantLinear
     from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod
 
@@ -33,12 +35,12 @@ def _runtime_linear(key: str, n: int, k: int, device: str, dtype: torch.dtype, c
     elif key.startswith("awq_g"):
         group = int(key[5:])
         layer = QuantLinear(AWQMethod(group_size=group), "tune", k, n, False)
-        q, s, z = formats.quantize_int_groupwise(w, group)
-        for name, t in zip(("qweight", "qzeros", "scales"), formats.to_awq_tensors(q, s, z, dtype=torch.bfloat16)):
+        q, s, z = quantize_int_groupwise(w, group)
+        for name, t in zip(("qweight", "qzeros", "scales"), to_awq_tensors(q, s, z, dtype=torch.bfloat16)):
             setattr(layer, name, nn.Parameter(t, requires_grad=False))
     elif key == "fp8_block":
         layer = QuantLinear(FP8BlockMethod(), "tune", k, n, False)
-        wq, ws = formats.quantize_fp8_block(w)
+        wq, ws = quantize_fp8_block(w)
         layer.weight, layer.weight_scale_inv = (nn.Parameter(t, requires_grad=False) for t in (wq, ws))
     else:
         raise DsquantError(f"latency: no timing for scheme {key!r}")
@@ -78,7 +80,9 @@ def time_linear(key: str, n: int, k: int, m: int, device: str, cpu_mode: str = "
 
 def _grouped(key: str, w: torch.Tensor):
     """bf16 experts [E, N, K] -> the fused kernel's GroupedWeight in scheme `key`."""
-    from dsquant import formats
+    from dsquant.formats.awq_gemm import to_awq_tensors
+    from dsquant.formats.fp8_block import quantize_fp8_block
+    from dsquant.formats.int_grid import quantize_int_groupwise
     from dsquant.runtime.kernels.moe.fused_moe import bf16_experts
     from dsquant.runtime.kernels.moe.fused_moe_fp8 import fp8_experts
     from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts_from_awq
@@ -87,11 +91,11 @@ def _grouped(key: str, w: torch.Tensor):
         return bf16_experts(w.contiguous())
     if key.startswith("awq_g"):
         group = int(key[5:])
-        parts = [formats.to_awq_tensors(*formats.quantize_int_groupwise(w[e].float(), group), dtype=w.dtype)
+        parts = [to_awq_tensors(*quantize_int_groupwise(w[e].float(), group), dtype=w.dtype)
                  for e in range(w.shape[0])]
         return int4_experts_from_awq(*[torch.stack([p[i] for p in parts]) for i in range(3)], group)
     if key == "fp8_block":
-        parts = [formats.quantize_fp8_block(w[e]) for e in range(w.shape[0])]
+        parts = [quantize_fp8_block(w[e]) for e in range(w.shape[0])]
         return fp8_experts(torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts]))
     raise DsquantError(f"latency: no fused-MoE timing for scheme {key!r}")
 

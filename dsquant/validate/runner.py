@@ -63,10 +63,11 @@ def _method(path: str) -> str:
     manifest = Path(path) / "dsquant.json"
     if manifest.is_file():
         return json.loads(manifest.read_text())["recipe"]["name"]
-    from dsquant.quant_config import resolve
+    from dsquant.formats.quantization_config import parse_quantization_config, resolve
 
-    q, _ = resolve(path, json.loads((Path(path) / "config.json").read_text()))  # also AutoAWQ/AutoGPTQ side files
-    return (q or {}).get("quant_method", "bf16")
+    q, source = resolve(path, json.loads((Path(path) / "config.json").read_text()))  # also AutoAWQ/AutoGPTQ side files
+    fmt = parse_quantization_config(q, source or "config.json")
+    return fmt.method if fmt is not None else "bf16"
 
 
 def _disk_bytes(path: str) -> int:

@@ -1,7 +1,7 @@
 """FP8 block weights drawn like trained ones, and the float64 checks, for the FP8 GEMM/GEMV tests."""
 import torch
 
-from dsquant import formats as F
+from dsquant.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from tests.realistic_weights import max_block_rel_err, realistic_weight
 
 
@@ -9,8 +9,8 @@ def fp8_weights(n: int, k: int, device, seed: int):
     """(weight e4m3 [N, K], weight_scale_inv fp32 [ceil(N/128), ceil(K/128)], dense float64 [N, K]):
     block scales spread over three orders of magnitude, outlier input channels, zero rows and a
     zero block (tests/realistic_weights.py)."""
-    wq, ws = F.quantize_fp8_block(realistic_weight(n, k, seed=seed))
-    return wq.to(device), ws.to(device), F.dequantize_fp8_block(wq, ws, torch.float64)
+    wq, ws = quantize_fp8_block(realistic_weight(n, k, seed=seed))
+    return wq.to(device), ws.to(device), dequantize_fp8_block(wq, ws, torch.float64)
 
 
 def dequant_act(xq: torch.Tensor, xs: torch.Tensor, k: int) -> torch.Tensor:

@@ -11,7 +11,9 @@ import functools
 
 import torch
 
-from dsquant import formats
+from dsquant.formats.awq_gemm import to_awq_tensors
+from dsquant.formats.fp8_block import quantize_fp8_block
+from dsquant.formats.int_grid import quantize_int_groupwise
 from dsquant.runtime.kernels.moe.fused_moe import MoeWeights, bf16_experts
 from dsquant.runtime.kernels.moe.fused_moe_fp8 import fp8_experts
 from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts_from_awq
@@ -51,7 +53,7 @@ def draw_experts(fmt: str, e: int, n: int, k: int, device, seed: int) -> torch.T
 
 def int4_codes(w: torch.Tensor, group: int):
     """w [E, N, K] -> the quantizer's (codes [E, N, K], scales fp32 [E, N, K/G], zeros [E, N, K/G])."""
-    per_expert = [formats.quantize_int_groupwise(w[e].float(), group) for e in range(w.shape[0])]
+    per_expert = [quantize_int_groupwise(w[e].float(), group) for e in range(w.shape[0])]
     return tuple(torch.stack([p[i] for p in per_expert]) for i in range(3))
 
 
@@ -67,13 +69,13 @@ def _int4(w: torch.Tensor, group: int, dtype):
 def awq_stack(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, dtype):
     """Codes [E, N, K], scales / zeros [E, N, K/G] -> stacked AWQ gemm tensors
     (qweight [E, K, N/8], qzeros [E, K/G, N/8], scales [E, K/G, N])."""
-    per_expert = [formats.to_awq_tensors(q[e], s[e], z[e], dtype=dtype) for e in range(q.shape[0])]
+    per_expert = [to_awq_tensors(q[e], s[e], z[e], dtype=dtype) for e in range(q.shape[0])]
     return [torch.stack([p[i] for p in per_expert]) for i in range(3)]
 
 
 def _fp8(w: torch.Tensor):
     """w [E, N, K] -> (GroupedWeight("fp8"), float64 [E, N, K] = codes x block scale)."""
-    per_expert = [formats.quantize_fp8_block(w[e]) for e in range(w.shape[0])]
+    per_expert = [quantize_fp8_block(w[e]) for e in range(w.shape[0])]
     q = torch.stack([p[0] for p in per_expert])  # [E, N, K] e4m3
     s = torch.stack([p[1] for p in per_expert])  # [E, ceil(N/128), ceil(K/128)]
     n, k = q.shape[1:]

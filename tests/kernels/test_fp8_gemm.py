@@ -82,7 +82,7 @@ def test_fp8_quant_scales_match_formula(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fp8_quant_bitwise_equals_the_reference(dtype):
-    """The Triton quantizer and formats.quantize_fp8_activations (the torch path's W8A8) give the
+    """The Triton quantizer and fp8_block.quantize_fp8_activations (the torch path's W8A8) give the
     same scales and codes, bit for bit, on the device: a scale one ulp off moves the code of every
     value at a rounding tie (seen on the H200 when torch divided by a Python scalar, which CUDA
     torch turns into a multiplication by the reciprocal)."""

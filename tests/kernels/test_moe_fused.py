@@ -9,14 +9,14 @@ blocks along N and K); INT4 needs H and I multiples of 128. GPU: V2-Lite and V3 
 import pytest
 import torch
 
-from dsquant import formats
+from dsquant.formats.awq_gemm import dequantize_awq
 from dsquant.runtime.kernels.moe.fused_moe import (fused_moe, pick_configs, split_shared_experts,
                                                with_shared_experts, MoeWeights, bf16_experts)
+from dsquant.models.routing import RoutingConfig, route
 from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8, quantize_act_fp8_torch
+from dsquant.runtime.kernels.moe.fused_moe_int4 import dequantize_int4_experts, int4_experts_from_awq
 from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size
 from dsquant.runtime.kernels.moe.moe_gemm import GemmConfig, moe_gemm
-from dsquant.models.routing import RoutingConfig, route
-from dsquant.runtime.kernels.moe.fused_moe_int4 import dequantize_int4_experts, int4_experts_from_awq
 from dsquant.runtime.kernels.moe.reference_moe import moe_experts_reference
 from tests.kernels.moe_cases import (FORMATS, V2_LITE, V3_REDUCED, awq_stack, check_close, draw_experts,
                                      hidden_states, int4_codes, make_experts, make_projection, pair_reference,
@@ -253,7 +253,7 @@ def test_int4_repack_keeps_every_weight(group, device):
     w = draw_experts(f"int4-g{group}", 3, 48, 256, device, seed=group)
     qweight, qzeros, scales = awq_stack(*int4_codes(w, group), torch.float16)
     packed = int4_experts_from_awq(qweight, qzeros, scales, group)
-    expected = torch.stack([formats.dequantize_awq(qweight[e], qzeros[e], scales[e], group) for e in range(3)])
+    expected = torch.stack([dequantize_awq(qweight[e], qzeros[e], scales[e], group) for e in range(3)])
     assert torch.equal(dequantize_int4_experts(packed), expected)
     _, dense = make_projection(f"int4-g{group}", w, torch.float16)
     assert torch.equal(expected.double(), dense)  # the codec and moe_cases' reference agree

@@ -14,7 +14,9 @@ attention shapes in bf16.
 import pytest
 import torch
 
-from dsquant import formats as F
+from dsquant.formats.awq_gemm import pack_awq, to_awq_tensors
+from dsquant.formats.gptq import pack_gptq_qweight, pack_gptq_qzeros
+from dsquant.formats.int_grid import quantize_int_groupwise
 from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig
 from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_dequantize, w4a16_linear
 from dsquant.runtime.kernels.gemm.w4a16_repack import (dequantize_w4a16, repack_awq, repack_gptq,
@@ -40,8 +42,8 @@ def _codes_dense(q, scales, zeros, group):
 
 def _awq_weights(n, k, group, device, seed):
     """(W4A16Weights repacked from AutoAWQ tensors, float64 dense [N, K] on `device`)."""
-    q, s, z = F.quantize_int_groupwise(_weight(n, k, group, device, seed), group)  # [N, K], [N, K/G] x 2
-    qweight, qzeros, scales = F.to_awq_tensors(q, s, z, dtype=torch.float16)  # scales [K/G, N] fp16
+    q, s, z = quantize_int_groupwise(_weight(n, k, group, device, seed), group)  # [N, K], [N, K/G] x 2
+    qweight, qzeros, scales = to_awq_tensors(q, s, z, dtype=torch.float16)  # scales [K/G, N] fp16
     return repack_awq(qweight, qzeros, scales, group), _codes_dense(q, scales.t(), z, group)
 
 
@@ -53,14 +55,14 @@ def _act_order_gptq(n, k, group, device, seed):
     order = torch.randperm(k, generator=gen).to(device)  # channel order[j] is quantized j-th
     g_idx = torch.empty(k, dtype=torch.int32, device=device)
     g_idx[order] = (torch.arange(k, device=device) // group).to(torch.int32)
-    q, s, z = F.quantize_int_groupwise(_weight(n, k, group, device, seed), group)  # quantization order
+    q, s, z = quantize_int_groupwise(_weight(n, k, group, device, seed), group)  # quantization order
     z = z.clamp(1, 15)  # GPTQ v1 stores z - 1: 0 does not survive
     scales = s.t().contiguous().to(torch.float16)  # [K/G, N]
     q_stored = torch.empty_like(q)
     q_stored[:, order] = q
     dense = torch.empty(n, k, dtype=torch.float64, device=device)
     dense[:, order] = _codes_dense(q, scales.t(), z, group)
-    packed = repack_gptq(F.pack_gptq_qweight(q_stored.t()), F.pack_gptq_qzeros(z.t()), scales, g_idx)
+    packed = repack_gptq(pack_gptq_qweight(q_stored.t()), pack_gptq_qzeros(z.t()), scales, g_idx)
     return packed, dense
 
 
@@ -103,7 +105,7 @@ def test_repack_gptq_act_order_matches_g_idx_dequant():
 
 
 def test_repack_rejects_mismatched_scales():
-    qweight = F.pack_awq(torch.zeros(256, 64, dtype=torch.int32))
+    qweight = pack_awq(torch.zeros(256, 64, dtype=torch.int32))
     with pytest.raises(ValueError, match="scales has shape"):
         repack_awq(qweight, torch.zeros(4, 8, dtype=torch.int32), torch.ones(3, 64), 64)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsquant import formats
+from dsquant.formats.fp8_block import dequantize_fp8_block, fp8_activation_roundtrip
 from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
 from dsquant.runtime.layers.linear import QuantLinear
@@ -57,8 +57,8 @@ def fp8_artifact(tmp_path_factory):
 
 def _linear_reference(mod: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """fp32: x (re-quantized per token and 128 channels when the method is W8A8) @ dequant(W)^T."""
-    w = formats.dequantize_fp8_block(mod.weight, mod.weight_scale_inv, torch.float32)  # [N, K]
-    a = formats.fp8_activation_roundtrip(x.float(), dtype=torch.float32) if mod.method.dynamic_activations \
+    w = dequantize_fp8_block(mod.weight, mod.weight_scale_inv, torch.float32)  # [N, K]
+    a = fp8_activation_roundtrip(x.float(), dtype=torch.float32) if mod.method.dynamic_activations \
         else x.float()
     y = F.linear(a, w)
     return y if mod.bias is None else y + mod.bias.float()

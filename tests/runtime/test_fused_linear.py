@@ -6,7 +6,10 @@ import copy
 import pytest
 import torch
 
-from dsquant import formats
+from dsquant.formats.awq_gemm import to_awq_tensors
+from dsquant.formats.fp8_block import quantize_fp8_block
+from dsquant.formats.gptq import to_gptq_tensors
+from dsquant.formats.int_grid import quantize_int_groupwise
 from dsquant.runtime.layers.fused_linear import concat_linears
 from dsquant.runtime.layers.linear import QuantLinear
 from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod
@@ -20,15 +23,15 @@ def _linear(fmt: str, n: int, seed: int) -> QuantLinear:
     if fmt == "dense":
         tensors, method = {"weight": w.to(torch.bfloat16)}, DenseMethod()
     elif fmt == "fp8_block":
-        q, s = formats.quantize_fp8_block(w)
+        q, s = quantize_fp8_block(w)
         tensors, method = {"weight": q, "weight_scale_inv": s}, FP8BlockMethod()
     else:
-        q, scales, zeros = formats.quantize_int_groupwise(w, 64)
+        q, scales, zeros = quantize_int_groupwise(w, 64)
         if fmt == "awq":
-            qw, qz, sc = formats.to_awq_tensors(q, scales, zeros)
+            qw, qz, sc = to_awq_tensors(q, scales, zeros)
             tensors, method = {"qweight": qw, "qzeros": qz, "scales": sc}, AWQMethod(group_size=64)
         else:
-            qw, qz, sc, gi = formats.to_gptq_tensors(q, scales, zeros, 64)
+            qw, qz, sc, gi = to_gptq_tensors(q, scales, zeros, 64)
             tensors, method = {"qweight": qw, "qzeros": qz, "scales": sc, "g_idx": gi}, GPTQMethod(group_size=64)
     lin = QuantLinear(method, f"layer.{fmt}{seed}", K, n, bias=False)
     lin.compute_dtype = torch.bfloat16

@@ -46,10 +46,10 @@ import torch
 from safetensors import safe_open
 
 import llmc_artifacts as llmc
-from dsquant import formats
 from dsquant.assets import bundled_model_path, bundled_models
 from dsquant.calibrate.pipeline import QuantizeArgs, run_quantize
 from dsquant.data import eval_tokens, load_tokenizer
+from dsquant.formats import fp8_block
 from dsquant.models.layers import Backends
 from dsquant.runtime.layers.linear import QuantLinear
 from dsquant.runtime.loader import load_runtime_model
@@ -388,7 +388,7 @@ def test_llmcompressor_artifact_loads_on_cpu(model, variant, artifacts, table, m
     dense = _runtime_model(str(twin), "cpu")
     with monkeypatch.context() as mp:
         if variant == "ct-fp8-block":
-            mp.setattr(formats, "fp8_activation_roundtrip", lambda x, group=128, dtype=None: x.to(dtype or x.dtype))
+            mp.setattr(fp8_block, "fp8_activation_roundtrip", lambda x, group=128, dtype=None: x.to(dtype or x.dtype))
         twin_acc, res = compare(dense, {"art": art}, tokens, EVAL_SET, WINDOW, STRIDE, "cpu")
     vs_twin, twin_top1 = res["art"].perplexity.value / twin_acc.perplexity.value - 1, res["art"].top1_agreement.value
     del dense

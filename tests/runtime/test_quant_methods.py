@@ -4,7 +4,9 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-from dsquant import formats
+from dsquant.formats.awq_gemm import pack_awq
+from dsquant.formats.fp8_block import quantize_fp8_activations, quantize_fp8_block
+from dsquant.formats.gptq import pack_gptq_qweight, pack_gptq_qzeros
 from dsquant.runtime.layers.compressed_tensors import CTFloat8Method, CTPackedInt4Method
 from dsquant.runtime.layers.linear import LinearFactory, QuantLinear
 from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod
@@ -43,7 +45,7 @@ def check(layer, w_ref):
 def test_awq():
     q, z, s = codes()
     layer = QuantLinear(AWQMethod(group_size=G), "m", K, N, False)
-    fill(layer, {"qweight": formats.pack_awq(q.t()), "qzeros": formats.pack_awq(z.t()),
+    fill(layer, {"qweight": pack_awq(q.t()), "qzeros": pack_awq(z.t()),
                  "scales": s.t().contiguous().half()})
     check(layer, grouped_weight(q, z, s, torch.arange(K) // G))
 
@@ -58,7 +60,7 @@ def test_gptq(act_order):
         g_idx[perm] = torch.arange(K) // G
     layer = QuantLinear(GPTQMethod(group_size=G), "m", K, N, True)
     bias = torch.randn(N)
-    fill(layer, {"qweight": formats.pack_gptq_qweight(q.t()), "qzeros": formats.pack_gptq_qzeros(z.t()),
+    fill(layer, {"qweight": pack_gptq_qweight(q.t()), "qzeros": pack_gptq_qzeros(z.t()),
                  "scales": s.t().contiguous().half(), "g_idx": g_idx.to(torch.int32), "bias": bias})
     x = torch.randn(3, K)
     torch.testing.assert_close(layer(x), x @ grouped_weight(q, z, s, g_idx).t() + bias, rtol=1e-5, atol=1e-5)
@@ -67,13 +69,13 @@ def test_gptq(act_order):
 def test_fp8_block_with_partial_blocks():
     n, k = 200, 300
     w = torch.randn(n, k)
-    fp8, scale_inv = formats.quantize_fp8_block(w)
+    fp8, scale_inv = quantize_fp8_block(w)
     layer = QuantLinear(FP8BlockMethod(), "m", k, n, False)
     fill(layer, {"weight": fp8, "weight_scale_inv": scale_inv})
     per_elem = scale_inv.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
     x = torch.randn(4, k)
     # W8A8 (activation_scheme dynamic): x quantized per token and 128 channels, partial last group
-    xq, xs = formats.quantize_fp8_activations(x)  # [4, k], [4, 3]
+    xq, xs = quantize_fp8_activations(x)  # [4, k], [4, 3]
     assert xs.shape == (4, 3)
     x_used = xq.float() * xs.repeat_interleave(128, 1)[:, :k]
     assert 0 < (x_used - x).abs().max() <= x.abs().max() / 16  # quantized, within e4m3's step
@@ -115,7 +117,7 @@ def test_compressed_tensors_float_quantized(strategy):
     w = torch.randn(N, K)
     layer = QuantLinear(CTFloat8Method(strategy=strategy), "m", K, N, False)
     if strategy == "block":
-        fp8, scale = formats.quantize_fp8_block(w)
+        fp8, scale = quantize_fp8_block(w)
         w_ref = fp8.float() * scale.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
     else:
         amax = w.abs().amax(1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)

@@ -9,8 +9,12 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from safetensors.torch import load_file, save_file
 
-from dsquant import formats
 from dsquant.errors import CheckpointError
+from dsquant.formats import fp8_block
+from dsquant.formats.awq_gemm import dequantize_awq, to_awq_tensors
+from dsquant.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
+from dsquant.formats.gptq import dequantize_gptq, pack_gptq_qweight, pack_gptq_qzeros
+from dsquant.formats.int_grid import dequantize_int_groupwise, quantize_int_groupwise
 from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
 
@@ -28,30 +32,30 @@ def encode(scheme: str, name: str, w: torch.Tensor, seed: int):
     """-> (tensors to store for module `name`, the dense [N, K] weight they encode)."""
     mod = name[: -len(".weight")]
     if scheme == "awq":
-        q, s, z = formats.quantize_int_groupwise(w, G)
-        qw, qz, sc = formats.to_awq_tensors(q, s, z)
+        q, s, z = quantize_int_groupwise(w, G)
+        qw, qz, sc = to_awq_tensors(q, s, z)
         return ({f"{mod}.qweight": qw, f"{mod}.qzeros": qz, f"{mod}.scales": sc},
-                formats.dequantize_awq(qw, qz, sc, G))
+                dequantize_awq(qw, qz, sc, G))
     if scheme == "gptq":  # act-order: groups follow a random visiting order of the input channels
         k = w.shape[1]
         perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
         inv = torch.argsort(perm)
-        q, s, z = formats.quantize_int_groupwise(w[:, perm], G)
+        q, s, z = quantize_int_groupwise(w[:, perm], G)
         g_idx = (inv // G).to(torch.int32)
-        qw, qz = formats.pack_gptq_qweight(q[:, inv].t()), formats.pack_gptq_qzeros(z.t())
+        qw, qz = pack_gptq_qweight(q[:, inv].t()), pack_gptq_qzeros(z.t())
         sc = s.t().contiguous().half()
         return ({f"{mod}.qweight": qw, f"{mod}.qzeros": qz, f"{mod}.scales": sc, f"{mod}.g_idx": g_idx},
-                formats.dequantize_gptq(qw, qz, sc, g_idx))
+                dequantize_gptq(qw, qz, sc, g_idx))
     if scheme == "fp8" or (scheme == "ct" and ".self_attn." in name):
-        fp8, sinv = formats.quantize_fp8_block(w)
+        fp8, sinv = quantize_fp8_block(w)
         key = "weight_scale" if scheme == "ct" else "weight_scale_inv"
-        return {f"{mod}.weight": fp8, f"{mod}.{key}": sinv}, formats.dequantize_fp8_block(fp8, sinv)
-    q, s, z = formats.quantize_int_groupwise(w, G)  # compressed-tensors pack-quantized int4
+        return {f"{mod}.weight": fp8, f"{mod}.{key}": sinv}, dequantize_fp8_block(fp8, sinv)
+    q, s, z = quantize_int_groupwise(w, G)  # compressed-tensors pack-quantized int4
     s = s.bfloat16()
     tensors = {f"{mod}.weight_packed": pack_to_int32((q - 8).to(torch.int8), 4), f"{mod}.weight_scale": s,
                f"{mod}.weight_zero_point": pack_to_int32((z - 8).to(torch.int8), 4, packed_dim=0),
                f"{mod}.weight_shape": torch.tensor(list(w.shape))}
-    return tensors, formats.dequantize_int_groupwise(q, s.float(), z, G)
+    return tensors, dequantize_int_groupwise(q, s.float(), z, G)
 
 
 QCONFIG = {
@@ -109,7 +113,8 @@ def greedy(path, prompts):
 def test_quantized_checkpoint_matches_its_dense_twin(scheme, family, expected, tiny_models, tmp_path,
                                                     monkeypatch):
     if scheme == "fp8":  # W8A8: compare the weights alone (test_quant_methods covers the activations)
-        monkeypatch.setattr(formats, "fp8_activation_roundtrip", lambda x, group=128, dtype=None: x.to(dtype or x.dtype))
+        monkeypatch.setattr(fp8_block, "fp8_activation_roundtrip",
+                            lambda x, group=128, dtype=None: x.to(dtype or x.dtype))
     _, src = tiny_models[family]
     quant, dense = write_pair(src, tmp_path, scheme)
     prompts = random_prompts(2, [9, 14], seed=8)

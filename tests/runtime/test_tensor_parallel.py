@@ -16,8 +16,11 @@ import os
 import pytest
 import torch
 
-from dsquant import formats
 from dsquant.errors import ConfigError
+from dsquant.formats.awq_gemm import dequantize_awq, to_awq_tensors
+from dsquant.formats.fp8_block import dequantize_fp8_block, fp8_activation_roundtrip, quantize_fp8_block
+from dsquant.formats.gptq import dequantize_gptq, pack_gptq_qweight, to_gptq_tensors, unpack_gptq_qweight
+from dsquant.formats.int_grid import quantize_int_groupwise
 from dsquant.runtime.layers.linear import QuantLinear
 from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod
 from dsquant.runtime.parallel import linear as tp_linear
@@ -36,21 +39,21 @@ def checkpoint(scheme: str, n: int, k: int, group: int = 128, act_order: bool = 
     if scheme == "dense":
         return {f"{P}.weight": w, f"{P}.bias": torch.randn(n, generator=g)}, w, DenseMethod()
     if scheme == "fp8":
-        fp8, sinv = formats.quantize_fp8_block(w)
-        return ({f"{P}.weight": fp8, f"{P}.weight_scale_inv": sinv}, formats.dequantize_fp8_block(fp8, sinv),
+        fp8, sinv = quantize_fp8_block(w)
+        return ({f"{P}.weight": fp8, f"{P}.weight_scale_inv": sinv}, dequantize_fp8_block(fp8, sinv),
                 FP8BlockMethod())
-    q, s, z = formats.quantize_int_groupwise(w, group)
+    q, s, z = quantize_int_groupwise(w, group)
     if scheme == "awq":
-        qw, qz, sc = formats.to_awq_tensors(q, s, z)
+        qw, qz, sc = to_awq_tensors(q, s, z)
         return ({f"{P}.qweight": qw, f"{P}.qzeros": qz, f"{P}.scales": sc},
-                formats.dequantize_awq(qw, qz, sc, group), AWQMethod(group_size=group))
-    qw, qz, sc, g_idx = formats.to_gptq_tensors(q, s, z, group)
+                dequantize_awq(qw, qz, sc, group), AWQMethod(group_size=group))
+    qw, qz, sc, g_idx = to_gptq_tensors(q, s, z, group)
     if act_order:  # the same codes, channels visited in a random order: g_idx no longer plain
         perm = torch.randperm(k, generator=g)
-        qw = formats.pack_gptq_qweight(formats.unpack_gptq_qweight(qw)[perm])
+        qw = pack_gptq_qweight(unpack_gptq_qweight(qw)[perm])
         g_idx = g_idx[perm]
     return ({f"{P}.qweight": qw, f"{P}.qzeros": qz, f"{P}.scales": sc, f"{P}.g_idx": g_idx},
-            formats.dequantize_gptq(qw, qz, sc, g_idx), GPTQMethod(group_size=group))
+            dequantize_gptq(qw, qz, sc, g_idx), GPTQMethod(group_size=group))
 
 
 def load_shard(tensors, method, n, k, kind, rank, world=2, bias=False):
@@ -78,11 +81,11 @@ def checkpoint_dense(tensors, method):
     if f"{P}.weight" in tensors and tensors[f"{P}.weight"].dtype.is_floating_point and method.name == "dense":
         return tensors[f"{P}.weight"]
     if method.name == "fp8_block":
-        return formats.dequantize_fp8_block(tensors[f"{P}.weight"], tensors[f"{P}.weight_scale_inv"])
+        return dequantize_fp8_block(tensors[f"{P}.weight"], tensors[f"{P}.weight_scale_inv"])
     if method.name == "awq":
-        return formats.dequantize_awq(tensors[f"{P}.qweight"], tensors[f"{P}.qzeros"], tensors[f"{P}.scales"],
+        return dequantize_awq(tensors[f"{P}.qweight"], tensors[f"{P}.qzeros"], tensors[f"{P}.scales"],
                                       method.group_size)
-    return formats.dequantize_gptq(*(tensors[f"{P}.{a}"] for a in ("qweight", "qzeros", "scales", "g_idx")))
+    return dequantize_gptq(*(tensors[f"{P}.{a}"] for a in ("qweight", "qzeros", "scales", "g_idx")))
 
 
 # scheme, N, K, kind, kwargs, the method each rank's shard must keep (None: same as the checkpoint's)
@@ -148,7 +151,7 @@ def test_fp8_activation_groups_split_across_ranks_quantize_like_the_unsplit_laye
     monkeypatch.setattr(tp_linear, "all_reduce_max", lambda t, state: t.copy_(both))
     got = torch.cat([tp_linear.sharded_activation_roundtrip(x[:, p.slice], p.start, 320, None, 128)
                      for p in parts], dim=-1)
-    assert torch.equal(got, formats.fp8_activation_roundtrip(x))
+    assert torch.equal(got, fp8_activation_roundtrip(x))
     tensors, _, method = checkpoint("fp8", 256, 128)
     layer, _ = load_shard(tensors, method, 256, 128, ROW, 1)
     assert isinstance(layer.method, RowShardFP8Method) and layer.method.k_start == 64

@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsquant import formats
+from dsquant.formats.fp8_block import FP8_BLOCK, fp8_activation_roundtrip, fp8_block_shape
 from dsquant.runtime.layers.linear import LinearFactory
 from dsquant.runtime.parallel import linear as tp_linear
 from dsquant.runtime.parallel.linear import COLUMN, ROW, ActQuantDenseMethod, Part, RowShardFP8Method, shard_linear
@@ -35,7 +35,7 @@ from tests.quantized_weights import QuantizedWeight, realistic_quantized
 from tests.realistic_weights import max_block_rel_err, realistic_activations, realistic_weight
 
 P = "model.layers.0.mlp.down_proj"
-B = formats.FP8_BLOCK
+B = FP8_BLOCK
 
 
 def quantized(fmt: str, n: int, k: int, group: int, seed: int) -> QuantizedWeight:
@@ -106,7 +106,7 @@ def w8a8(qw: QuantizedWeight) -> bool:
 
 def reference(qw: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T in float64 on x's device (x quantized per token per 128 channels for W8A8)."""
-    xs = formats.fp8_activation_roundtrip(x.float(), dtype=torch.float64) if w8a8(qw) else x.double()
+    xs = fp8_activation_roundtrip(x.float(), dtype=torch.float64) if w8a8(qw) else x.double()
     return xs @ qw.dense.to(x.device).t()
 
 
@@ -121,7 +121,7 @@ def check_slices(qw: QuantizedWeight, layers, parts, kind: str, n: int, k: int):
         if layer.method.name == "fp8_block":
             nl, kl = layer.weight.shape
             local = layer.weight_scale_inv.cpu()
-            assert tuple(local.shape) == formats.fp8_block_shape(nl, kl)
+            assert tuple(local.shape) == fp8_block_shape(nl, kl)
             got = local.repeat_interleave(B, 0)[:nl].repeat_interleave(B, 1)[:, :kl]
             assert torch.equal(got, cut(scale_elem)), f"rank {rank}: FP8 block scales of the shard misplaced"
             assert torch.equal(layer.weight.view(torch.uint8).cpu(), cut(qw.tensors["weight"]).view(torch.uint8))

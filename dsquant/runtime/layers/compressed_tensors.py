@@ -1,32 +1,17 @@
-"""compressed-tensors (llm-compressor) formats: pack-quantized INT4 and float-quantized FP8.
+"""compressed-tensors (llm-compressor) methods: pack-quantized INT4 and float-quantized FP8.
 
-pack-quantized (strategy group or channel):
-  weight_packed int32 [N, K/8]: signed codes q in [-8, 7] stored as q + 8, 8 per int32 along K,
-      element i of each 8 in bits 4i..4i+3;
-  weight_scale [N, K/G] (channel: [N, 1]); weight_zero_point int32 [N/8, K/G] packed along N
-      the same way (absent when symmetric: zero point 0); weight_shape int [2] = (N, K).
-  W[n, k] = (q - z) * s with q, z the signed values.
-float-quantized FP8: weight e4m3 [N, K]; weight_scale fp32 [ceil(N/128), ceil(K/128)] (block),
-  [N, 1] (channel) or [1] (tensor); W = weight * scale.
-Method selection (targets, ignore) is in linear.py.
+Layouts, the config groups and their validation: formats/compressed_tensors.py. Method selection
+(targets, ignore) is the parsed config's `scheme_for`; linear.py builds the method.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from dsquant import formats
+from dsquant.formats import fp8_block, gptq
+from dsquant.formats.compressed_tensors import CTFp8Scheme, CTGroup, CTInt4Scheme, unpack_int4_rows
 from dsquant.runtime.layers.quant import LinearMethod, _meta, _w4a16_apply
-
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8]
-
-
-def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C/8] -> unsigned codes int32 [R, C] (element i of each 8 in bits 4i..4i+3)."""
-    q = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF  # [R, C/8, 8]
-    return q.reshape(packed.shape[0], -1)
 
 
 @dataclass
@@ -74,7 +59,7 @@ class CTPackedInt4Method(LinearMethod):
         q, z, s = self._codes(layer)
         n, k = q.shape
         gs = k if self.group_size <= 0 else self.group_size
-        packed = formats.pack_gptq_qweight(q.t().contiguous()).t().contiguous()  # [N, K/8] along K
+        packed = gptq.pack_gptq_qweight(q.t().contiguous()).t().contiguous()  # [N, K/8] along K
         layer.w4 = W4A16Weights(qweight=packed, scales=s.t().contiguous().to(layer.weight_scale.dtype),
                                 zeros=z.t().contiguous().to(torch.uint8), group_size=gs)
         self.release(layer, ("weight_packed", "weight_scale", "weight_zero_point"))
@@ -90,19 +75,19 @@ class CTFloat8Method(LinearMethod):
     """compressed-tensors float-quantized FP8 weights (block, channel or tensor scales)."""
 
     strategy: str = "block"  # "block" | "channel" | "tensor"
-    block: int = formats.FP8_BLOCK
+    block: int = fp8_block.FP8_BLOCK
     dynamic_activations: bool = False  # W8A8 as FP8BlockMethod when the group quantizes inputs
     name = "ct_fp8"
 
     def create_weights(self, layer, in_features, out_features):
         n, k = out_features, in_features
         layer.weight = _meta((n, k), torch.float8_e4m3fn)
-        shape = {"block": formats.fp8_block_shape(n, k, self.block), "channel": (n, 1), "tensor": (1,)}
+        shape = {"block": fp8_block.fp8_block_shape(n, k, self.block), "channel": (n, 1), "tensor": (1,)}
         layer.weight_scale = _meta(shape[self.strategy], torch.float32)
 
     def dequantized_weight(self, layer, dtype):
         if self.strategy == "block":
-            return formats.dequantize_fp8_block(layer.weight, layer.weight_scale, dtype, self.block)
+            return fp8_block.dequantize_fp8_block(layer.weight, layer.weight_scale, dtype, self.block)
         scale = layer.weight_scale.to(torch.float32).reshape(-1, 1)  # [N or 1, 1]
         return (layer.weight.to(torch.float32) * scale).to(dtype)
 
@@ -117,12 +102,12 @@ class CTFloat8Method(LinearMethod):
             layer.out_scale = None
         else:
             # per-row scales commute with the GEMM: y = (x @ weight^T) * scale[n]
-            layer.scale_inv = torch.ones(formats.fp8_block_shape(n, k), dtype=torch.float32, device="cuda")
+            layer.scale_inv = torch.ones(fp8_block.fp8_block_shape(n, k), dtype=torch.float32, device="cuda")
             layer.out_scale = layer.weight_scale.to(torch.float32).reshape(-1)  # [N] or [1]
 
     def apply(self, layer, x):
         if not self.use_kernels(x):
-            return super().apply(layer, formats.fp8_activation_roundtrip(x) if self.dynamic_activations else x)
+            return super().apply(layer, fp8_block.fp8_activation_roundtrip(x) if self.dynamic_activations else x)
         from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 
         y = fp8_block_linear(x, layer.weight, layer.scale_inv,
@@ -132,36 +117,15 @@ class CTFloat8Method(LinearMethod):
         return y if layer.bias is None else y + layer.bias
 
 
+# a group's parsed scheme -> its method object
+CT_METHODS = {
+    CTInt4Scheme: lambda s: CTPackedInt4Method(group_size=s.group_size, symmetric=s.symmetric),
+    CTFp8Scheme: lambda s: CTFloat8Method(strategy=s.strategy, dynamic_activations=s.dynamic_activations),
+}
+
+
 def ct_method(weights: dict, fmt: str | None, input_activations: dict | None = None) -> LinearMethod:
-    """The method for one config group's `weights` args (and the group's or config's format).
-
-    FP8 groups with dynamic float-8 `input_activations` run W8A8 (activations quantized per token
-    and 128 channels, whatever per-token strategy the config names); without, weight-only.
-    """
-    from dsquant.errors import ConfigError
-
-    kind, bits = weights.get("type", "int"), weights.get("num_bits")
-    strategy = weights.get("strategy", "group")
-    if kind == "float" and bits == 8:
-        if strategy == "block":
-            block = (weights.get("block_structure") or [128, 128])
-            if list(block) != [128, 128]:
-                raise ConfigError(f"compressed-tensors FP8 block_structure {block} is not supported "
-                                  "(expected [128, 128])")
-        elif strategy not in ("channel", "tensor"):
-            raise ConfigError(f"compressed-tensors FP8 strategy {strategy!r} is not supported")
-        act = input_activations or {}
-        dynamic = act.get("type") == "float" and act.get("num_bits") == 8 and bool(act.get("dynamic", True))
-        return CTFloat8Method(strategy=strategy, dynamic_activations=dynamic)
-    if kind == "int" and bits == 4:
-        if fmt not in (None, "pack-quantized", "mixed-precision"):
-            raise ConfigError(f"compressed-tensors int4 format {fmt!r} is not supported "
-                              "(expected pack-quantized)")
-        if strategy not in ("group", "channel"):
-            raise ConfigError(f"compressed-tensors int4 strategy {strategy!r} is not supported")
-        if weights.get("actorder") not in (None, False, "static"):
-            raise ConfigError(f"compressed-tensors int4 actorder {weights.get('actorder')!r} is not supported")
-        group = weights.get("group_size") or 0 if strategy == "group" else 0
-        return CTPackedInt4Method(group_size=group, symmetric=bool(weights.get("symmetric", True)))
-    raise ConfigError(f"compressed-tensors weights {kind} {bits}-bit are not supported "
-                      "(expected int 4-bit or float 8-bit)")
+    """The method for one config group's `weights` args (and the group's or config's format),
+    validated by formats.compressed_tensors.CTGroup.scheme."""
+    scheme = CTGroup((), weights, input_activations, fmt).scheme()
+    return CT_METHODS[type(scheme)](scheme)

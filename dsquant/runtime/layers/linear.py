@@ -1,8 +1,10 @@
 """QuantLinear (a Linear whose weights belong to a method object) and the factory that picks the
-method per module from the checkpoint's quantization_config (config.json's, or one read from
-AutoAWQ's quant_config.json / AutoGPTQ's quantize_config.json: dsquant/quant_config.py).
+method per module: it parses the checkpoint's quantization_config once (config.json's, or one read
+from AutoAWQ's quant_config.json / AutoGPTQ's quantize_config.json:
+formats.parse_quantization_config), asks the parsed config for each module's scheme
+(`scheme_for`: the format and its arguments, or None for dense) and builds that scheme's method.
 
-Schemes read (design.md "Artifact formats"):
+Schemes read (design.md "Artifact formats"; the rules live in dsquant/formats/):
   none                  every Linear dense
   awq                   AutoAWQ gemm; `modules_to_not_convert` (substrings of the module name) dense
   gptq                  GPTQ v1, or v2 (checkpoint_format gptq_v2); desc_act via g_idx;
@@ -17,21 +19,28 @@ Whenever the checkpoint is known, a module whose expected tensors are absent but
 from __future__ import annotations
 
 import logging
-import re
 
 import torch
 from torch import nn
 
-from dsquant.errors import ConfigError
-from dsquant.quant_config import int4_spec
-from dsquant.runtime.layers.compressed_tensors import ct_method
+from dsquant.formats import AwqConfig, Fp8BlockConfig, GptqConfig, parse_quantization_config
+from dsquant.runtime.layers.compressed_tensors import CT_METHODS
 from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod, LinearMethod
 
 log = logging.getLogger(__name__)
 
-# the tensor whose presence in the checkpoint tells that a module is stored in that scheme
-_MARKER = {"awq": "qweight", "gptq": "qweight", "fp8_block": "weight_scale_inv",
-           "ct_int4": "weight_packed", "ct_fp8": "weight_scale"}
+# a module's parsed scheme (formats/) -> its method object
+_METHODS = {
+    AwqConfig: lambda s: AWQMethod(group_size=s.group_size, source=s.source),
+    GptqConfig: lambda s: GPTQMethod(group_size=s.group_size, v2=s.v2, source=s.source),
+    Fp8BlockConfig: lambda s: FP8BlockMethod(),
+    **CT_METHODS,
+}
+
+
+def method_for(scheme) -> LinearMethod:
+    """The method object of a parsed scheme (None: dense)."""
+    return DenseMethod() if scheme is None else _METHODS[type(scheme)](scheme)
 
 
 class QuantLinear(nn.Module):
@@ -53,66 +62,29 @@ class QuantLinear(nn.Module):
         return f"{self.prefix}: {self.in_features} -> {self.out_features}, {self.method.name}"
 
 
-def _matches(name: str, target: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return name == target or name.endswith("." + target)
-
-
 class LinearFactory:
     """Callable (prefix, in, out, bias) -> QuantLinear, the `Backends.linear` of the runtime."""
 
     def __init__(self, quantization_config: dict | None, reader=None, kernels: bool = True,
                  source: str | None = None):
-        self.q = quantization_config or {}
-        self.source = source or "config.json"  # the file the config came from (quant_config.py)
+        self.source = source or "config.json"  # the file the config came from (formats/quantization_config.py)
+        self.format = parse_quantization_config(quantization_config, self.source)  # None: dense
         self.kernels = kernels  # False: every method takes its pure-torch path, on CUDA too
         self.reader = reader  # CheckpointReader or None
         self.method_counts: dict[str, int] = {}
-        self.quant_method = self.q.get("quant_method")
-        if self.quant_method not in (None, "awq", "gptq", "fp8", "compressed-tensors"):
-            raise ConfigError(f"{self.source}: quantization_config.quant_method {self.quant_method!r} is not "
-                              "supported (expected awq, gptq, fp8 or compressed-tensors)")
-        self.int4 = int4_spec(self.q, self.source) if self.quant_method in ("awq", "gptq") else None
-        if self.quant_method == "fp8" and self.q.get("activation_scheme", "dynamic") != "dynamic":
-            raise ConfigError(f"config.json: fp8 activation_scheme {self.q.get('activation_scheme')!r} is not "
-                              "supported (expected dynamic)")
-        if self.quant_method == "fp8" and list(self.q.get("weight_block_size") or [128, 128]) != [128, 128]:
-            raise ConfigError(f"config.json: fp8 weight_block_size {self.q.get('weight_block_size')} is not "
-                              "supported (expected [128, 128])")
 
-    def _not_converted(self, prefix: str) -> bool:
-        skip = (self.q.get("modules_to_not_convert") or []) + (self.q.get("ignored_layers") or [])
-        return any(s and (s in prefix) for s in skip)
+    def _scheme(self, prefix: str):
+        return None if self.format is None else self.format.scheme_for(prefix)
 
     def scheme_for(self, prefix: str) -> LinearMethod:
         """The method the config assigns to module `prefix` (before any checkpoint check)."""
-        qm = self.quant_method
-        if qm is None:
-            return DenseMethod()
-        if qm == "compressed-tensors":
-            if any(_matches(prefix, t) for t in self.q.get("ignore") or []):
-                return DenseMethod()
-            for group in (self.q.get("config_groups") or {}).values():
-                targets = group.get("targets") or []
-                hit = any(_matches(prefix, t) for t in targets if t != "Linear")
-                if hit or ("Linear" in targets and prefix != "lm_head"):
-                    return ct_method(group.get("weights") or {}, group.get("format") or self.q.get("format"),
-                                     group.get("input_activations"))
-            return DenseMethod()
-        if prefix == "lm_head" or self._not_converted(prefix):
-            return DenseMethod()
-        spec = self.int4
-        if qm == "awq":
-            return AWQMethod(group_size=spec.group_size, source=spec.source)
-        if qm == "gptq":
-            return GPTQMethod(group_size=spec.group_size, v2=spec.v2, source=spec.source)
-        return FP8BlockMethod()
+        return method_for(self._scheme(prefix))
 
     def __call__(self, prefix: str, in_features: int, out_features: int, bias: bool) -> QuantLinear:
-        method = self.scheme_for(prefix)
-        if self.reader is not None and method.name != "dense":
-            marker = f"{prefix}.{_MARKER[method.name]}"
+        scheme = self._scheme(prefix)
+        method = method_for(scheme)
+        if self.reader is not None and scheme is not None:
+            marker = f"{prefix}.{scheme.marker}"
             if marker not in self.reader and f"{prefix}.weight" in self.reader:
                 log.debug("%s: %s not in the checkpoint, loading it dense", prefix, marker)
                 method = DenseMethod()

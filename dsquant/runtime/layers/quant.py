@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsquant import formats
+from dsquant.formats import awq_gemm, fp8_block, gptq
 
 
 def _meta(shape, dtype) -> nn.Parameter:
@@ -88,7 +88,7 @@ class AWQMethod(LinearMethod):
         layer.scales = _meta((k // g, n), torch.float16)  # any float dtype is kept as stored
 
     def dequantized_weight(self, layer, dtype):
-        return formats.dequantize_awq(layer.qweight, layer.qzeros, layer.scales, self._group(layer), dtype)
+        return awq_gemm.dequantize_awq(layer.qweight, layer.qzeros, layer.scales, self._group(layer), dtype)
 
     def _group(self, layer) -> int:
         return layer.qweight.shape[0] if self.group_size <= 0 else self.group_size
@@ -136,7 +136,7 @@ class GPTQMethod(LinearMethod):
         layer.g_idx = _meta((k,), torch.int32)
 
     def dequantized_weight(self, layer, dtype):
-        return formats.dequantize_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, dtype, v2=self.v2)
+        return gptq.dequantize_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, dtype, v2=self.v2)
 
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.qweight):
@@ -158,21 +158,21 @@ class FP8BlockMethod(LinearMethod):
 
     dynamic_activations (the config's activation_scheme "dynamic", the default): W8A8, x quantized
     per token and 128 channels on every path (the kernels, and the torch path through
-    formats.fp8_activation_roundtrip), so CPU, reference and GPU compute the same product;
+    fp8_block.fp8_activation_roundtrip), so CPU, reference and GPU compute the same product;
     False: weight-only, x stays 16-bit.
     """
 
-    block: int = formats.FP8_BLOCK
+    block: int = fp8_block.FP8_BLOCK
     dynamic_activations: bool = True
     name = "fp8_block"
 
     def create_weights(self, layer, in_features, out_features):
         layer.weight = _meta((out_features, in_features), torch.float8_e4m3fn)
-        layer.weight_scale_inv = _meta(formats.fp8_block_shape(out_features, in_features, self.block),
+        layer.weight_scale_inv = _meta(fp8_block.fp8_block_shape(out_features, in_features, self.block),
                                        torch.float32)
 
     def dequantized_weight(self, layer, dtype):
-        return formats.dequantize_fp8_block(layer.weight, layer.weight_scale_inv, dtype, self.block)
+        return fp8_block.dequantize_fp8_block(layer.weight, layer.weight_scale_inv, dtype, self.block)
 
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.weight):
@@ -189,7 +189,7 @@ class FP8BlockMethod(LinearMethod):
         if not self.use_kernels(x):
             if not self.dynamic_activations:
                 return super().apply(layer, x)
-            y = F.linear(formats.fp8_activation_roundtrip(x, dtype=torch.float32), layer.cpu_weight)
+            y = F.linear(fp8_block.fp8_activation_roundtrip(x, dtype=torch.float32), layer.cpu_weight)
             return (y if layer.bias is None else y + layer.bias).to(x.dtype)
         from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from dsquant import formats
+from dsquant.formats import fp8_block
 from dsquant.models.checkpoint import layer_of
 from dsquant.runtime.layers.linear import QuantLinear
 from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod, LinearMethod
@@ -170,7 +170,7 @@ class RowShardFP8Method(FP8BlockMethod):
 
 
 def sharded_activation_roundtrip(x: torch.Tensor, k_start: int, k_total: int, state, group: int) -> torch.Tensor:
-    """formats.fp8_activation_roundtrip of the full [..., k_total] activation, restricted to this
+    """fp8_block.fp8_activation_roundtrip of the full [..., k_total] activation, restricted to this
     rank's channels x [..., K_local]; bit for bit the same values."""
     k = x.shape[-1]
     flat = x.reshape(-1, k).to(torch.float32)  # [M, K_local]
@@ -182,8 +182,8 @@ def sharded_activation_roundtrip(x: torch.Tensor, k_start: int, k_total: int, st
     amax[:, first:first + spanned] = padded.view(m, spanned, group).amax(-1)
     all_reduce_max(amax, state)
     g = (k_start + torch.arange(k, device=x.device)) // group  # [K_local] global group of each channel
-    scale = (amax.clamp(min=formats.FP8_ACT_SCALE_EPS) / formats.FP8_E4M3_MAX)[:, g]  # [M, K_local]
-    q = (flat / scale).clamp(-formats.FP8_E4M3_MAX, formats.FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = (amax.clamp(min=fp8_block.FP8_ACT_SCALE_EPS) / fp8_block.FP8_E4M3_MAX)[:, g]  # [M, K_local]
+    q = (flat / scale).clamp(-fp8_block.FP8_E4M3_MAX, fp8_block.FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return (q.to(torch.float32) * scale).to(x.dtype).reshape(x.shape)
 
 
@@ -213,9 +213,9 @@ class ActQuantDenseMethod(DenseMethod):
 
     def apply(self, layer, x):
         if self.sharded:
-            x = sharded_activation_roundtrip(x, self.k_start, self.k_total, self.state, formats.FP8_BLOCK)
+            x = sharded_activation_roundtrip(x, self.k_start, self.k_total, self.state, fp8_block.FP8_BLOCK)
         else:
-            x = formats.fp8_activation_roundtrip(x)
+            x = fp8_block.fp8_activation_roundtrip(x)
         return super().apply(layer, x)
 
 
@@ -224,7 +224,7 @@ def _dense(p: str, kind: str, part: Part, dense_weight) -> LinearShard:
     return LinearShard(DenseMethod(), {f"{p}.weight": lambda: _cut(dense_weight(f"{p}.weight"), dim, part.slice)})
 
 
-def _whole_groups(part: Part, total: int, group: int = formats.FP8_BLOCK) -> bool:
+def _whole_groups(part: Part, total: int, group: int = fp8_block.FP8_BLOCK) -> bool:
     return part.start % group == 0 and (part.size % group == 0 or part.stop == total)
 
 

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8, quant_group_fp8
 from dsquant.runtime.kernels.gemm.fp8_gemv import fp8_gemv
+from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8, quant_group_fp8
 from dsquant.runtime.kernels.gemm.gemm_configs import (DECODE_MAX_M, FP8_GEMV_MAX_M, GemmConfig,
                                                   fp8_config, fp8_tiled_config)
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
@@ -240,7 +240,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
 def fp8_block_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                                compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Pure torch, weight-only semantics (x unquantized): the CPU path of the runtime."""
-    from dsquant.formats import dequantize_fp8_block
+    from dsquant.formats.fp8_block import dequantize_fp8_block
 
     w = dequantize_fp8_block(weight, weight_scale_inv, compute_dtype)  # [N, K]
     return (x.to(compute_dtype) @ w.t()).to(x.dtype)

@@ -21,7 +21,7 @@ SCALE_EPS = 1e-10
 def quant_group_fp8(x, AXIS: tl.constexpr):
     """x fp32 tile -> (fp8 e4m3 tile, fp32 scales reduced over AXIS)."""
     amax = tl.max(tl.abs(x), axis=AXIS)
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)  # IEEE division, as formats.quantize_fp8_activations
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)  # IEEE division, as fp8_block.quantize_fp8_activations
     q = tl.clamp(tl.math.div_rn(x, tl.expand_dims(scale, AXIS)), -448.0, 448.0).to(tl.float8e4nv)
     return q, scale
 
@@ -79,6 +79,6 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, column_major_sc
 
 def per_token_group_quant_fp8_reference(x: torch.Tensor, group: int = 128):
     """Pure-torch twin of per_token_group_quant_fp8 (same formula, torch's fp8 rounding)."""
-    from dsquant.formats import quantize_fp8_activations
+    from dsquant.formats.fp8_block import quantize_fp8_activations
 
     return quantize_fp8_activations(x.reshape(-1, x.shape[-1]), group)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsquant.formats import pack_gptq_qweight, unpack_awq, unpack_gptq_qweight, unpack_gptq_qzeros
+from dsquant.formats.awq_gemm import unpack_awq
+from dsquant.formats.gptq import pack_gptq_qweight, unpack_gptq_qweight, unpack_gptq_qzeros
 
 
 @dataclass

@@ -5,14 +5,14 @@ fp32 [E, ceil(N/128), ceil(K/128)]; W = fp8 * scale_inv per 128x128 block.
 Activations x [M, K] -> (x_fp8 float8_e4m3fn [M, K], x_scale fp32 [M, ceil(K/128)]) with
 x_scale = max(amax of the 128 channels, 1e-10) / 448 and x_fp8 = round_to_e4m3(x / x_scale).
 quantize_act_fp8 uses fp8_quant.per_token_group_quant_fp8 on CUDA (IEEE division, as torch) and
-formats.quantize_fp8_activations elsewhere: the Triton interpreter casts to fp8 wrongly (Triton
+formats.fp8_block.quantize_fp8_activations elsewhere: the Triton interpreter casts to fp8 wrongly (Triton
 issue 8322).
 """
 from __future__ import annotations
 
 import torch
 
-from dsquant.formats import fp8_block_shape, quantize_fp8_activations
+from dsquant.formats.fp8_block import fp8_block_shape, quantize_fp8_activations
 from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8
 from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from dsquant.formats import pack_gptq_qweight, unpack_awq
+from dsquant.formats.awq_gemm import unpack_awq
+from dsquant.formats.gptq import pack_gptq_qweight
 from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight
 
 GROUP_SIZES = (32, 64, 128)

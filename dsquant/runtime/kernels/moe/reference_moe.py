@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dsquant.formats import dequantize_fp8_block
+from dsquant.formats.fp8_block import dequantize_fp8_block
 from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8_torch
 
 

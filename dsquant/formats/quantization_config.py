@@ -1,4 +1,6 @@
-"""Quantization configs as other tools write them, read into one form (`Int4Spec` for INT4).
+"""The one quantization_config parser: a checkpoint's config, as any tool writes it, read into its
+format's frozen dataclass (awq_gemm.AwqConfig, gptq.GptqConfig, fp8_block.Fp8BlockConfig,
+compressed_tensors.CompressedTensorsConfig) by `parse_quantization_config`.
 
 Where a checkpoint says how it is quantized, in order of precedence:
   config.json `quantization_config`   (transformers / vLLM / dsquant; wins when present)
@@ -10,16 +12,20 @@ act-order, format version), or loading is refused naming both files: a checkpoin
 things is never guessed at. A side file's content is turned into a quantization_config dict
 (`normalize`), so everything downstream reads one shape of config.
 
-GPTQ checkpoint formats: "gptq" (v1, the default) stores each zero point as z - 1, "gptq_v2"
-stores z itself. Marlin / BitBLAS / other repacked formats are refused.
+Layouts live in the format modules; this one holds no tensors.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Union
 
 from dsquant.errors import ConfigError
+from dsquant.formats.awq_gemm import AwqConfig
+from dsquant.formats.base import CONFIG_JSON
+from dsquant.formats.compressed_tensors import CompressedTensorsConfig
+from dsquant.formats.fp8_block import Fp8BlockConfig
+from dsquant.formats.gptq import GptqConfig
 
 
 def read_json_object(path: Path) -> dict:
@@ -33,73 +39,27 @@ def read_json_object(path: Path) -> dict:
     return raw
 
 
-CONFIG_JSON = "config.json"
 AUTOAWQ_FILE = "quant_config.json"
 AUTOGPTQ_FILE = "quantize_config.json"
 SIDE_FILES = (AUTOAWQ_FILE, AUTOGPTQ_FILE)
-GPTQ_FORMATS = ("gptq", "gptq_v2")
+
+QuantFormat = Union[AwqConfig, GptqConfig, Fp8BlockConfig, CompressedTensorsConfig]
+_FORMATS = {"awq": AwqConfig, "gptq": GptqConfig, "fp8": Fp8BlockConfig,
+            "compressed-tensors": CompressedTensorsConfig}
 
 
-@dataclass(frozen=True)
-class Int4Spec:
-    """An AWQ / GPTQ INT4 config, validated; `source` is the file it came from."""
-
-    method: str  # "awq" | "gptq"
-    bits: int
-    group_size: int  # -1: one group spanning K (per channel)
-    zero_point: bool  # asymmetric (AWQ zero_point, GPTQ not sym)
-    desc_act: bool  # GPTQ act-order
-    version: str  # AWQ "gemm"; GPTQ "gptq" (v1) or "gptq_v2"
-    source: str = CONFIG_JSON
-
-    @property
-    def v2(self) -> bool:
-        return self.version == "gptq_v2"
-
-    def describe(self) -> str:
-        """One line for `dsquant inspect`."""
-        zp = "asymmetric (zero point)" if self.zero_point else "symmetric"
-        group = "per channel" if self.group_size <= 0 else f"group {self.group_size}"
-        version = {"gemm": "AutoAWQ gemm", "gptq": "GPTQ v1", "gptq_v2": "GPTQ v2"}.get(self.version, self.version)
-        extra = ", act-order (desc_act)" if self.desc_act else ""
-        return f"{self.method} {self.bits}-bit, {group}, {zp}, {version}{extra} (from {self.source})"
-
-
-def _as_int(value, field: str, source: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{source}: {field} must be an integer, found {value!r}")
-    return value
-
-
-def int4_spec(q: dict, source: str = CONFIG_JSON) -> Int4Spec:
-    """Validate an awq / gptq quantization_config (any spelling of its keys) -> Int4Spec."""
-    method = str(q.get("quant_method", "")).lower()
-    if method not in ("awq", "gptq"):
-        raise ConfigError(f"{source}: quant_method {q.get('quant_method')!r} is not an INT4 method (awq, gptq)")
-    bits = _as_int(q.get("bits", q.get("w_bit", 4)), "bits", source)
-    if bits != 4:
-        raise ConfigError(f"{source}: {method} bits {bits} is not supported (expected 4)")
-    group = _as_int(q.get("group_size", q.get("q_group_size", 128)), "group_size", source)
-    if group == 0 or group < -1:
-        raise ConfigError(f"{source}: {method} group_size {group} is not valid (expected a positive size or -1)")
-    if method == "awq":
-        version = str(q.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise ConfigError(f"{source}: AWQ version {q.get('version')!r} is not supported (expected gemm)")
-        zero_point = bool(q.get("zero_point", True))
-        if not zero_point:
-            raise ConfigError(f"{source}: AWQ zero_point false is not supported (expected true: "
-                              "AutoAWQ gemm stores qzeros)")
-        return Int4Spec("awq", bits, group, True, False, "gemm", source)
-    if q.get("is_marlin_format"):
-        raise ConfigError(f"{source}: is_marlin_format true (Marlin-repacked GPTQ) is not supported; "
-                          "expected checkpoint_format gptq or gptq_v2")
-    version = str(q.get("checkpoint_format") or "gptq").lower()
-    if version not in GPTQ_FORMATS:
-        raise ConfigError(f"{source}: GPTQ checkpoint_format {q.get('checkpoint_format')!r} is not supported "
-                          f"(expected {' or '.join(GPTQ_FORMATS)})")
-    return Int4Spec("gptq", bits, group, not bool(q.get("sym", True)), bool(q.get("desc_act", False)),
-                    version, source)
+def parse_quantization_config(q: dict | None, source: str = CONFIG_JSON) -> QuantFormat | None:
+    """A quantization_config dict (config.json's, or a side file's after `normalize`) -> its format's
+    dataclass, validated; None for a dense checkpoint. Every reader (runtime, reference loader,
+    inspect) calls this, so every reader accepts and refuses the same configs."""
+    q = q or {}
+    method = q.get("quant_method")
+    if method is None:
+        return None
+    if not isinstance(method, str) or method not in _FORMATS:
+        raise ConfigError(f"{source}: quantization_config.quant_method {method!r} is not "
+                          "supported (expected awq, gptq, fp8 or compressed-tensors)")
+    return _FORMATS[method].from_dict(q, source)
 
 
 def normalize(raw: dict, source: str) -> dict:
@@ -130,7 +90,7 @@ def _key(q: dict, source: str) -> tuple:
     """What two configs must agree on."""
     method = str(q.get("quant_method", "")).lower()
     if method in ("awq", "gptq"):
-        s = int4_spec(q, source)
+        s = _FORMATS[method].from_dict(q, source)
         return s.method, s.bits, s.group_size, s.zero_point, s.desc_act, s.version
     return (method,)
 

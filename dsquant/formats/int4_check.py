@@ -5,7 +5,7 @@ features, a g_idx that is not a grouping of K) must be refused, not decoded into
 weight: each check raises a CheckpointError naming the file, the tensor, the expected and the
 found shape, and the config it was derived from. Used at load by the runtime loader (serve,
 generate, validate), by the reference loader (models/loader.py) and by `dsquant inspect`
-(models/verify.py), so every path refuses the same checkpoints.
+(models/verify.py), so every path refuses the same checkpoints. Layouts: awq_gemm.py, gptq.py.
 """
 from __future__ import annotations
 
@@ -14,16 +14,14 @@ from typing import Callable
 import torch
 
 from dsquant.errors import CheckpointError
+from dsquant.formats import awq_gemm, gptq
 
-INT4_TENSORS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx")}
+INT4_TENSORS = {"awq": awq_gemm.TENSORS, "gptq": gptq.TENSORS}
 
 
 def expected_shapes(fmt: str, group: int, n: int, k: int) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape for a Linear of out_features N, in_features K, group size G (> 0)."""
-    ng = k // group
-    if fmt == "awq":
-        return {"qweight": (k, n // 8), "qzeros": (ng, n // 8), "scales": (ng, n)}
-    return {"qweight": (k // 8, n), "qzeros": (ng, n // 8), "scales": (ng, n), "g_idx": (k,)}
+    return (awq_gemm if fmt == "awq" else gptq).expected_shapes(group, n, k)
 
 
 def check_int4_shapes(fmt: str, group_size: int, n: int, k: int, shapes: dict[str, tuple[int, ...]],
