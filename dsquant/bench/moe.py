@@ -60,9 +60,7 @@ def build_layer(fmt: str, dense, device):
     -> MoeWeights with the shared experts stacked after the routed ones."""
     import torch
 
-    from dsquant.formats.awq_gemm import to_awq_tensors
-    from dsquant.formats.fp8_block import quantize_fp8_block
-    from dsquant.formats.int_grid import quantize_int_groupwise
+    from dsquant.formats import awq_gemm, fp8_block, int_grid
     from dsquant.runtime.kernels.moe.fused_moe import MoeWeights, bf16_experts, split_shared_experts
     from dsquant.runtime.kernels.moe.fused_moe_fp8 import fp8_experts
     from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts_from_awq
@@ -75,10 +73,10 @@ def build_layer(fmt: str, dense, device):
         if fmt == "bf16":
             return bf16_experts(w)
         if fmt == "int4":
-            parts = [to_awq_tensors(*quantize_int_groupwise(w[e].float(), 128), dtype=w.dtype)
+            parts = [awq_gemm.to_awq_tensors(*int_grid.quantize_int_groupwise(w[e].float(), 128), dtype=w.dtype)
                      for e in range(w.shape[0])]
             return int4_experts_from_awq(*[torch.stack([p[i] for p in parts]) for i in range(3)], 128)
-        parts = [quantize_fp8_block(w[e]) for e in range(w.shape[0])]
+        parts = [fp8_block.quantize_fp8_block(w[e]) for e in range(w.shape[0])]
         return fp8_experts(torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts]))
 
     return MoeWeights(convert(all13), convert(all2))
