@@ -14,7 +14,7 @@ from dsquant.models.layers import Backends
 from dsquant.runtime.layers.kv_cache import KVCacheSpec
 from dsquant.runtime.layers.kv_roundtrip import KVCacheRoundTrip, KVCacheSwitch
 from dsquant.validate.accuracy import compare
-from dsquant.validate.latency import LatencySpec, measure_latency
+from dsquant.validate.latency import LatencySpec, measure_latency, merge_rounds
 from dsquant.validate.peers import PEERS, bitsandbytes_available, load_peer
 from dsquant.validate.report import ArtifactRow, write_report
 
@@ -132,12 +132,15 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
     rows.insert(0, ArtifactRow("baseline", baseline, "bf16", _disk_bytes(baseline),
                                {s: asdict(a) for s, a in base_acc.items()}, None, 0.0))
     if args.latency:
-        for row in rows:
-            if row.method.startswith("bitsandbytes") or row.compared_to is not None:
-                continue
-            log(f"latency: {row.name}")
-            row.latency = asdict(measure_latency(row.path, args.device, spec, dtype=_dtype(args.device),
-                                                 kv_cache_dtype=row.kv_cache_dtype))  # one dtype for all rows
+        timed = [row for row in rows if not row.method.startswith("bitsandbytes") and row.compared_to is None]
+        results: dict[int, list] = {id(row): [] for row in timed}
+        for r in range(spec.rounds):  # interleaved: A B C, A B C, ...
+            for row in timed:
+                log(f"latency: {row.name}" + (f" (round {r + 1} of {spec.rounds})" if spec.rounds > 1 else ""))
+                results[id(row)].append(measure_latency(row.path, args.device, spec, dtype=_dtype(args.device),
+                                                        kv_cache_dtype=row.kv_cache_dtype))  # one dtype for all rows
+        for row in timed:
+            row.latency = asdict(merge_rounds(results[id(row)]))
     if lm_spec is not None:
         _lm_eval_rows(rows, args, lm_spec, log)
     for row in rows[1:]:
