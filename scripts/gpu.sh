@@ -14,6 +14,7 @@
 #               prompt), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
 #               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split)
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
+#               v2prof (the same, timed phase by phase: scripts/profile_quantize.py),
 #               validate8 (RTN and FP8 artifacts of that shape validated against it)
 #   tune:       tune1, tune4, ... (dsquant tune of dsq-tiny-v3 at --max-ppl-increase N)
 # Each step's limit is an env variable (STEP_S, e.g. DEMO_S=300); see the case below.
@@ -105,6 +106,9 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
         /usr/bin/time -v timeout "${V2_S:-200}" python3 -m dsquant quantize "$W/v2lite8" --recipe "${V2_RECIPE:-awq-w4g128}" \
             -o "$W/awq" --device cuda >> "$OUT/v2lite8.log" 2> "$OUT/v2lite8.err"
         echo "quantize rc=$?" >> "$OUT/v2lite8.log"; cp "$W/awq/dsquant.json" "$OUT/v2lite8-manifest.json" 2>/dev/null ;;
+    v2prof) v2lite8_checkpoint > "$OUT/v2prof.txt" 2>&1  # where quantize's time goes (scripts/profile_quantize.py)
+        timeout "${V2_S:-200}" python3 scripts/profile_quantize.py "$W/v2lite8" "${V2_RECIPE:-awq-w4g128}" "$W/awq-prof" \
+            "$OUT/v2prof.json" --device cuda >> "$OUT/v2prof.txt" 2>&1 ;;
     validate8) v2lite8_checkpoint > "$OUT/validate8.txt" 2>&1
         for r in rtn-w4g128 fp8-block; do
           timeout 200 python3 -m dsquant quantize "$W/v2lite8" --recipe $r -o "$W/$r" --device cuda >> "$OUT/validate8.txt" 2>&1
