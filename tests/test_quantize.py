@@ -9,46 +9,22 @@ still calibrated, and that bad recipes fail before any work.
 import hashlib
 import json
 import re
-import shutil
 
 import pytest
 import torch
 import transformers
 from safetensors import safe_open
 
-from dsquant.assets import tokenizer_path
 from dsquant.calibrate.pipeline import QuantizeArgs, run_quantize
 from dsquant.calibrate.recipe import bundled_recipes
 from dsquant.errors import ConfigError, DsquantError
 from dsquant.models import load_model
 from dsquant.models.summary import summarize
+from tests.tiny_checkpoints import write_tiny_v3
 
 RECIPES = [r[: -len(".yaml")] for r in bundled_recipes()]
 EXPECTED_FORMAT = {"awq-w4g128": "awq", "rtn-w4g128": "awq", "gptq-w4g128": "gptq",
                    "fp8-block": "fp8", "mixed-fp8attn-w4experts": "compressed-tensors"}
-
-
-def write_tiny_v3(path, kv_lora_rank=128, v_head_dim=64, dead_expert=None, **overrides):
-    """overrides: other DeepseekV3Config fields (e.g. q_lora_rank, intermediate_size)."""
-    torch.manual_seed(0)
-    cfg = transformers.DeepseekV3Config(**{**dict(
-        vocab_size=8192, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128,
-        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=v_head_dim,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-        first_k_dense_replace=1, max_position_embeddings=1024), **overrides})
-    model = transformers.DeepseekV3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0, 0.04)
-        if dead_expert is not None:
-            for layer in model.model.layers[1:]:
-                layer.mlp.gate.e_score_correction_bias[dead_expert] = -100.0
-    model.save_pretrained(path)
-    for f in tokenizer_path().iterdir():
-        shutil.copy(f, path / f.name)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from dsquant.calibrate.pipeline import QuantizeArgs, run_quantize
 from dsquant.errors import CheckpointError, DsquantError
 from dsquant.export import writer as writer_mod
 from dsquant.export.writer import HIDDEN, ArtifactWriter
-from tests.test_quantize import write_tiny_v3
+from tests.tiny_checkpoints import write_tiny_v3
 
 RECIPE = "rtn-w4g128"  # no calibration search: the fastest recipe
 

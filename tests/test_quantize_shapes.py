@@ -24,8 +24,7 @@ from dsquant.errors import ConfigError
 from dsquant.models import load_model
 from dsquant.models.layers import Backends
 from dsquant.runtime.loader import load_runtime_model
-
-from test_quantize import write_tiny_v3
+from tests.tiny_checkpoints import write_tiny_v3
 
 FAST_AWQ = ("name: awq-fast\ndefault: {scheme: awq, bits: 4, group_size: 128}\n"
             "keep: [lm_head, '*.embed_tokens', '*.mlp.gate', '*norm']\n"

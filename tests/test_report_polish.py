@@ -94,7 +94,7 @@ def test_disagreeing_repeats_warn_in_report_and_stderr(tmp_path, capsys):
 def test_quantize_reports_progress_inside_each_layer(tmp_path):
     from dsquant.calibrate.cli_quantize import ERROR_LEGEND, _summary
     from dsquant.calibrate.pipeline import QuantizeArgs, run_quantize
-    from test_quantize import write_tiny_v3
+    from tests.tiny_checkpoints import write_tiny_v3
 
     base = write_tiny_v3(tmp_path / "base")
     ticks = []

@@ -15,7 +15,7 @@ from dsquant.validate.accuracy import compare
 from dsquant.validate.latency import LatencySpec
 from dsquant.validate.report import ArtifactRow, pareto
 from dsquant.validate.runner import ValidateArgs, run_validate
-from test_quantize import write_tiny_v3
+from tests.tiny_checkpoints import write_tiny_v3
 
 SPEC = LatencySpec(ttft_input=16, tpot_output=4, throughput_input=8, throughput_output=4, batch_sizes=(2, 4), repeats=1)
 

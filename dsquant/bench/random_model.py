@@ -10,6 +10,9 @@ the formats' dataclasses (Fp8BlockConfig, AwqConfig), as quantize's export does.
 
 `write_random_checkpoint` saves the BF16 form as sharded safetensors (one shard per decoder
 layer, an index), for the commands that read a directory (quantize, validate).
+
+`random_hf_model` builds the other kind: a tiny random model in transformers itself, the oracle
+that tests and scripts compare dsquant's loaders and engine with.
 """
 from __future__ import annotations
 
@@ -62,8 +65,6 @@ QUANT_CONFIG = {"fp8": Fp8BlockConfig(), "int4": AwqConfig(INT4_GROUP, modules_t
 
 def make_config_dir(path: str | Path, config: dict, scheme: str = "bf16", **overrides) -> Path:
     """Write config.json (with the scheme's quantization_config) and the bundled tokenizer."""
-    from dsquant.assets import tokenizer_path
-
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     path = Path(path)
@@ -78,11 +79,44 @@ def make_config_dir(path: str | Path, config: dict, scheme: str = "bf16", **over
     if quant is not None:
         cfg["quantization_config"] = quant.to_dict()
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    copy_tokenizer(path)
+    return path
+
+
+def copy_tokenizer(path: Path) -> None:
+    """Put the bundled tokenizer's files into checkpoint directory `path`."""
+    from dsquant.assets import tokenizer_path
+
     tok = Path(tokenizer_path())
     for f in (tok.glob("*") if tok.is_dir() else [tok]):
         if f.is_file():
             shutil.copy(f, path / f.name)
-    return path
+
+
+def random_hf_model(config: dict, seed: int = 0, std: float = 0.15, norm_std: float = 0.1,
+                    bias_std: float = 0.1):
+    """A transformers model of config.json-style `config` (its `architectures[0]` names the class),
+    built after torch.manual_seed(seed), every weight redrawn N(0, std) in parameter order, norm
+    weights 1 + N(0, norm_std) and DeepSeek-V3's e_score_correction_bias N(0, bias_std). A wide
+    spread makes greedy decisions depend on every part of the model (attention over the whole
+    context, routing, rope positions). norm_std / bias_std 0 keep transformers' ones / zeros and
+    draw nothing for them (so the draws of the other weights stay as they were)."""
+    import transformers
+
+    kwargs = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    model_cls = getattr(transformers, config["architectures"][0])
+    torch.manual_seed(seed)
+    model = model_cls(model_cls.config_class(**kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0, std)
+            elif norm_std:
+                p.copy_(1 + norm_std * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if bias_std and name.endswith("e_score_correction_bias"):
+                b.copy_(bias_std * torch.randn_like(b))
+    return model
 
 
 def _checkpoint_layout(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

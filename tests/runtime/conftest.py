@@ -1,15 +1,13 @@
 """Tiny random models of each family, written by transformers' save_pretrained, for engine tests.
 
-Weights are redrawn with a wide spread so greedy decisions depend on every part of the model
-(attention over the whole context, routing, rope positions). Models are built once per session.
+bench.random_model.random_hf_model builds them: weights redrawn with a wide spread so greedy
+decisions depend on every part of the model (attention over the whole context, routing, rope
+positions). Models are built once per session.
 """
-import shutil
-
 import pytest
 import torch
-import transformers
 
-from dsquant.assets import tokenizer_path
+from dsquant.bench.random_model import copy_tokenizer, random_hf_model
 from dsquant.models.checkpoint import layer_of
 
 VOCAB = 256
@@ -17,32 +15,26 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
             num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6)
 MLA = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
            moe_intermediate_size=32, num_key_value_heads=4)
-FAMILIES = {
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
-        **BASE, **MLA, q_lora_rank=None, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0)),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
-        **BASE, **MLA, q_lora_rank=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+FAMILIES = {  # family -> config.json-style dict (architectures names the transformers class)
+    "deepseek_v2": dict(
+        architectures=["DeepseekV2ForCausalLM"], **BASE, **MLA, q_lora_rank=None, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, topk_method="greedy",
+        norm_topk_prob=False, routed_scaling_factor=1.0),
+    "deepseek_v3": dict(
+        architectures=["DeepseekV3ForCausalLM"], **BASE, **MLA, q_lora_rank=32, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "beta_fast": 32, "beta_slow": 1})),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(**BASE, num_key_value_heads=2)),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(**BASE, num_key_value_heads=2)),
+                         "beta_fast": 32, "beta_slow": 1}),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], **BASE, num_key_value_heads=2),
+    "llama": dict(architectures=["LlamaForCausalLM"], **BASE, num_key_value_heads=2),
 }
 
 
 def build_hf(family: str, seed: int = 0, **overrides):
-    cfg_name, model_name, kwargs = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**{**kwargs, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0, 0.15)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
-    return model
+    """The family's tiny transformers model, config fields `overrides` changed."""
+    return random_hf_model({**FAMILIES[family], **overrides}, seed)
 
 
 @pytest.fixture(scope="session")
@@ -63,8 +55,7 @@ def llama_with_tokenizer(tmp_path_factory):
     model = build_hf("llama", seed=3, vocab_size=8192)
     path = tmp_path_factory.mktemp("llama_tok")
     model.save_pretrained(path)
-    for f in tokenizer_path().iterdir():
-        shutil.copy(f, path / f.name)
+    copy_tokenizer(path)
     return model, path
 
 
