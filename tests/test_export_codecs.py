@@ -4,8 +4,6 @@ For each format a random weight is quantized, written with `linear_tensors` into
 checkpoint, and read back through the loader's dequantizing WeightSource; the result must equal
 the quantizer's own dequantized weight exactly (the sequential calibration forward used it).
 """
-import json
-
 import pytest
 import torch
 from safetensors.torch import save_file

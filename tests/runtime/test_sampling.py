@@ -1,5 +1,4 @@
 """Sampler, detokenizer, block manager units, and the generate command / LLM API with a tokenizer."""
-import pytest
 import torch
 from click.testing import CliRunner
 from tokenizers import Tokenizer
