@@ -78,6 +78,13 @@ def main() -> None:
     for meth in ("write_shard", "save_progress", "finalize"):
         setattr(writer.ArtifactWriter, meth, timed(f"writer.{meth}", getattr(writer.ArtifactWriter, meth)))
     capture.LayerCapture.__enter__ = timed("capture.hooks_on", capture.LayerCapture.__enter__)
+    import dsquant.models.attention as attention
+    import dsquant.models.moe as moe
+    for mod, cls, meth in [(moe, "MoE", "forward"), (moe, "LoopMoE", "experts"), (moe, "Router", "forward"),
+                           (attention, "MLAttention", "forward"), (attention, "GQAAttention", "forward")]:
+        klass = getattr(mod, cls, None)
+        if klass is not None and hasattr(klass, meth):
+            setattr(klass, meth, timed(f"{cls}.{meth}", getattr(klass, meth)))
 
     layer_seconds = []
 

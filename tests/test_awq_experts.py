@@ -30,3 +30,80 @@ def test_batched_expert_search_equals_the_sequential_one():
             torch.testing.assert_close(b, a, rtol=1e-5, atol=0, msg=f"expert {e}, chunk {chunk}")
     assert not torch.equal(want[1], torch.ones(64))  # the search moved off the identity
     assert torch.equal(want[0], torch.ones(64))  # no tokens: identity, as search_scales gives
+
+
+def _clip_cases(n_lin: int, n: int, k: int, seed: int = 1):
+    """Weights whose group scales span three orders of magnitude with outlier rows and columns,
+    inputs with per-channel scales; one Linear got no rows, two share one input tensor."""
+    g = torch.Generator().manual_seed(seed)
+    ws, xs = [], []
+    for i in range(n_lin):
+        w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0, k // 32).repeat_interleave(32)[None]
+        w[i % n] *= 30
+        w[:, (7 * i) % k] *= 15
+        ws.append(w)
+        t = [0, 9, 33, 50][i % 4]
+        xs.append(torch.randn(t, k, generator=g) * (1 + 5 * torch.rand(k, generator=g)))
+    xs[3] = xs[2]  # gate and up: one tensor
+    return ws, xs
+
+
+def test_batched_expert_clip_search_equals_the_sequential_one():
+    opts = AWQOptions(clip_grid=10)
+    spec = SchemeSpec("awq", bits=4, group_size=32)
+    ws, xs = _clip_cases(9, 40, 128)
+    want = [awq.search_clip(x, w, spec, opts, torch.float16) for x, w in zip(xs, ws)]
+    for batch_bytes in (1, 3 * 5 * 4 * 40 * 128, 1 << 30):  # one Linear a batch, three, all
+        got = awq.search_clip_experts(xs, ws, spec, opts, torch.float16, batch_bytes=batch_bytes)
+        assert len(got) == len(ws)
+        for i, (a, b) in enumerate(zip(want, got)):
+            same = (a == b).float().mean().item()
+            assert same >= 0.99, f"Linear {i}, batch {batch_bytes}: {same:.3f} of the ratios agree"
+    assert torch.equal(want[0], torch.ones(40, 4))  # no rows: no clipping
+    assert (want[1] < 1).any()  # the search clipped somewhere
+
+
+def test_fake_int_is_int_grid_bitwise():
+    from dsquant.calibrate.quantizers import fake_int, int_grid
+
+    spec = SchemeSpec("awq", bits=4, group_size=32)
+    ws, _ = _clip_cases(4, 24, 96, seed=3)
+    ws[1][:, :32] = ws[1][:, :32].abs()  # groups with no negative weight
+    ws[2][5, 32:64] = 0  # an all-zero group
+    for w in ws:
+        for scale_dtype in (torch.float16, torch.bfloat16):
+            for ratio in (1.0, 0.6, torch.rand(24, 3, generator=torch.Generator().manual_seed(0)) * 0.5 + 0.5):
+                want = int_grid(w, spec, scale_dtype, clip_ratio=ratio).dequantized
+                assert torch.equal(fake_int(w, spec, scale_dtype, clip_ratio=ratio), want)
+
+
+def test_capture_keeps_rows_fed_one_tensor_once_and_equal_to_a_plain_capture():
+    """Gate and up (and MLA's q and kv_a) get one shared tensor, equal to what each saw; the other
+    Linears keep their own; take_inputs empties the capture."""
+    from pathlib import Path
+
+    from dsquant.calibrate.capture import LayerCapture
+    from dsquant.models.loader import load_layer, open_model
+
+    model_dir = Path(__file__).resolve().parents[1] / "dsquant/assets/models/dsq-tiny-v3"
+    model, source = open_model(model_dir)
+    load_layer(model, source, None, "cpu", torch.float32)
+    load_layer(model, source, 1, "cpu", torch.float32)  # an MoE layer
+    layer, prefix = model.model.layers[1], "model.layers.1"
+    hidden = torch.randn(2, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ctx = model.eager_context(torch.arange(16)[None])
+    seen: dict[str, list[torch.Tensor]] = {}
+    names = {m: f"{prefix}.{n}" for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    plain = [m.register_forward_pre_hook(lambda mod, a: seen.setdefault(names[mod], []).append(
+        a[0].reshape(-1, a[0].shape[-1]).float().clone())) for m in names]
+    with LayerCapture(layer, prefix, set(), max_rows=1 << 20) as data, torch.no_grad():
+        layer(hidden, ctx)
+    for h in plain:
+        h.remove()
+    inputs = data.take_inputs(list(names.values()), "cpu")
+    assert not data.rows
+    for name, x in inputs.items():
+        torch.testing.assert_close(x, torch.cat(seen[name]), rtol=0, atol=0, msg=name)
+    e = f"{prefix}.mlp.experts.0"
+    assert inputs[f"{e}.gate_proj"] is inputs[f"{e}.up_proj"]
+    assert inputs[f"{e}.down_proj"] is not inputs[f"{e}.up_proj"]

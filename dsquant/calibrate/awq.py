@@ -42,8 +42,18 @@ def _w_mean(members: list[Member]) -> torch.Tensor:
 
 
 def _x_mean(members: list[Member]) -> torch.Tensor:
-    xs = torch.cat([m.x for m in members if m.x.numel()])
-    return xs.abs().mean(0)
+    """Mean |x| [K] over all members' captured rows (as if concatenated), one member at a time:
+    an MoE layer's gate/up group holds every expert's rows, which a concatenation would copy."""
+    total, rows, seen = None, 0, {}
+    for m in members:
+        if not m.x.numel():
+            continue
+        if id(m.x) not in seen:  # members fed one tensor (gate and up) share it
+            seen[id(m.x)] = (m.x, m.x.abs().sum(0))
+        part = seen[id(m.x)][1]
+        total = part.clone() if total is None else total.add_(part)
+        rows += m.x.shape[0]
+    return total / rows
 
 
 def candidate_scales(members: list[Member], opts: AWQOptions):
@@ -96,12 +106,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: SchemeSpec, opts: AWQOpt
     ratio = torch.ones(n, k // g, device=w.device)
     if x.numel() == 0:
         return ratio
-    if x.shape[0] > max_tokens:
-        x = x[torch.linspace(0, x.shape[0] - 1, max_tokens, device=x.device).long()]
-    xg = x.reshape(x.shape[0], k // g, g)  # [T, K/G, G]
-    # a group's output error sum_t (x_g . d)^2 is d H_g d^T with H_g = x_g^T x_g (G x G per group),
-    # so a candidate costs N K G instead of T N K
-    gram = torch.einsum("tgi,tgj->gij", xg, xg)  # [K/G, G, G]
+    gram = _group_gram(_subsample(x, max_tokens), g)  # [K/G, G, G]
     best = torch.full((n, k // g), float("inf"), device=w.device)
     for i in range(opts.clip_grid):
         r = 1 - opts.max_shrink * i / opts.clip_grid
@@ -111,6 +116,59 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: SchemeSpec, opts: AWQOpt
         best = torch.where(better, err, best)
         ratio = torch.where(better, torch.full_like(ratio, r), ratio)
     return ratio
+
+
+def _subsample(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    if x.shape[0] > max_tokens:
+        x = x[torch.linspace(0, x.shape[0] - 1, max_tokens, device=x.device).long()]
+    return x
+
+
+def _group_gram(x: torch.Tensor, g: int) -> torch.Tensor:
+    """x [T, K] -> per-group Gram matrices [K/G, G, G]: a group's output error sum_t (x_g . d)^2 is
+    d H_g d^T with H_g = x_g^T x_g, so a clip candidate costs N K G instead of T N K."""
+    xg = x.reshape(x.shape[0], x.shape[1] // g, g)  # [T, K/G, G]
+    return torch.einsum("tgi,tgj->gij", xg, xg)
+
+
+def search_clip_experts(xs: list[torch.Tensor], ws: list[torch.Tensor], spec: SchemeSpec, opts: AWQOptions,
+                        scale_dtype: torch.dtype, max_tokens: int = 4096,
+                        batch_bytes: int = 1 << 30) -> list[torch.Tensor]:
+    """search_clip for many Linears of one shape [N, K] and spec (the routed experts'), the
+    candidates of a batch of them fake-quantized in one call ([E*N, K]: groups run along K within
+    a row) and scored in one batched product with their Gram matrices. xs[i] [T_i, K] fp32,
+    ws[i] [N, K]; returns each Linear's ratio [N, K/G], as search_clip would pick it."""
+    n, k = ws[0].shape
+    g = spec.group_size
+    size = max(1, batch_bytes // (5 * 4 * n * k))  # weights, candidates, difference, products (fp32)
+    out: list[torch.Tensor] = []
+    for start in range(0, len(ws), size):
+        xs_b, ws_b = xs[start:start + size], ws[start:start + size]
+        device = ws_b[0].device
+        grams, seen = [], {}
+        for x in xs_b:
+            if id(x) not in seen:  # gate and up share their rows
+                seen[id(x)] = (x, _group_gram(_subsample(x, max_tokens), g) if x.numel()
+                               else torch.zeros(k // g, g, g, device=device))
+            grams.append(seen[id(x)][1])
+        gram = torch.stack(grams)  # [E, K/G, G, G]
+        del seen, grams
+        w = torch.stack([t.float() for t in ws_b])  # [E, N, K]
+        e = w.shape[0]
+        ratio = torch.ones(e, n, k // g, device=device)
+        best = torch.full((e, n, k // g), float("inf"), device=device)
+        for i in range(opts.clip_grid):
+            r = 1 - opts.max_shrink * i / opts.clip_grid
+            diff = fake_int(w.reshape(e * n, k), spec, scale_dtype, clip_ratio=r).reshape(e, n, k // g, g)
+            diff.sub_(w.reshape(e, n, k // g, g))
+            err = (torch.einsum("engi,egij->engj", diff, gram) * diff).sum(-1)  # [E, N, K/G]
+            better = err < best
+            best = torch.where(better, err, best)
+            ratio = torch.where(better, torch.full_like(ratio, r), ratio)
+        empty = [j for j, x in enumerate(xs_b) if not x.numel()]
+        ratio[empty] = 1.0
+        out += list(ratio.unbind(0))
+    return out
 
 
 def search_scales_experts(groups: list[Member], opts: AWQOptions, scale_dtype: torch.dtype,

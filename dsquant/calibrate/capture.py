@@ -29,6 +29,26 @@ class Captured:
         parts = self.rows.get(name) or []
         return torch.cat(parts) if parts else torch.empty(0)
 
+    def take_inputs(self, names, device) -> dict[str, torch.Tensor]:
+        """Each Linear's kept rows as one tensor [T, K] on `device`, moved out of `rows` (each part
+        is freed once no other Linear holds it). Linears whose parts are the very same tensors (fed
+        one input: an MLP's gate and up, MLA's q_a and kv_a) get one shared tensor."""
+        out: dict[str, torch.Tensor] = {}
+        made: dict[tuple, torch.Tensor] = {}
+        # every part is alive (in `rows`) when the loop starts, so equal ids mean the same tensors
+        for name in names:
+            parts = self.rows.pop(name, None) or []
+            key = tuple(id(p) for p in parts)
+            if not key:
+                out[name] = torch.empty(0, device=device)
+            elif key in made:
+                out[name] = made[key]
+            else:
+                x = parts[0] if len(parts) == 1 else torch.cat(parts)
+                out[name] = made[key] = x.to(device)
+            del parts
+        return out
+
 
 class LayerCapture:
     """Context manager: hooks on a layer's Linears (`names` maps module -> full name)."""
@@ -41,6 +61,7 @@ class LayerCapture:
         self.handles = []
         self.shared: dict[str, str] = {}  # GPTQ Linear -> the Linear whose Hessian (same input) it uses
         self._recent: dict[str, torch.Tensor] = {}  # the last GPTQ Linears' inputs (the very objects)
+        self._last: tuple | None = None  # (input object, rows kept before it, rows taken) of the last hook
 
     def _linear_hook(self, name: str):
         def hook(module, args):
@@ -50,8 +71,13 @@ class LayerCapture:
                 self._hessian(name, args[0], x)
             have = self.data.counts.get(name, 0)
             if have < self.max_rows and x.shape[0]:
-                take = x[:: self.stride][: self.max_rows - have]
-                self.data.rows.setdefault(name, []).append(take.clone())
+                last = self._last
+                if last is not None and last[0] is args[0] and last[1] == have:
+                    take = last[2]  # fed what the last Linear was (gate then up): keep the rows once
+                else:
+                    take = x[:: self.stride][: self.max_rows - have].clone()
+                    self._last = (args[0], have, take)
+                self.data.rows.setdefault(name, []).append(take)
                 self.data.counts[name] = have + take.shape[0]
         return hook
 
@@ -100,6 +126,7 @@ class LayerCapture:
         for h in self.handles:
             h.remove()
         self._recent.clear()
+        self._last = None
 
 
 def expert_fallback(data: Captured, moe: MoE, moe_name: str, min_rows: int, gptq_names: set[str]) -> list[int]:

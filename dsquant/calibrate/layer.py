@@ -87,6 +87,17 @@ def _fold(producer: nn.Module, kind: str, members: list[nn.Linear], passengers: 
         mod.weight.mul_(s[None, :].to(mod.weight.dtype))
 
 
+def _rescale_inputs(inputs: dict[str, torch.Tensor], names: list[str], s: torch.Tensor) -> None:
+    """inputs[n] / s [T, K] for the group's members once the fold has scaled their weights; members
+    that shared one input tensor share the result."""
+    done: dict[int, tuple] = {}  # id -> (the input, kept alive so ids stay unique; its rescaled copy)
+    for n in names:
+        x = inputs[n]
+        if id(x) not in done:
+            done[id(x)] = (x, x / s)
+        inputs[n] = done[id(x)][1]
+
+
 def _forward(layer: nn.Module, hidden: torch.Tensor, ctx, batch: int) -> torch.Tensor:
     """Run the layer over hidden [n, T, H] in batches; returns [n, T, H]."""
     out = torch.empty_like(hidden)
@@ -146,7 +157,7 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
     if isinstance(layer.mlp, MoE):
         tokens = [data.seen.get(f"{prefix}.mlp.experts.{e}.gate_proj", 0) for e in range(len(layer.mlp.experts))]
         fallback = expert_fallback(data, layer.mlp, f"{prefix}.mlp", MIN_EXPERT_ROWS, gptq_names)
-    inputs = {n: data.inputs(n).to(hidden.device) for n in linears}
+    inputs = data.take_inputs(linears, hidden.device)  # Linears fed one tensor share it
 
     groups = scaling_groups(layer, prefix) if any(s.scheme == "awq" for s in specs.values()) else []
     total, done = len(groups) + len(linears), 0
@@ -176,8 +187,7 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
             else:
                 s = awq.search_scales(members, recipe.awq, scale_dtype, block_loss)
             _fold(producer, kind, [linears[n] for n in names], passengers, s)
-            for n in names:
-                inputs[n] = inputs[n] / s
+            _rescale_inputs(inputs, names, s)
             tick("awq scales")
         by_shape: dict = {}
         for producer, m in routed:
@@ -188,6 +198,7 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
                 _fold(producer, "linear", [linears[m.name]], [], s)
                 inputs[m.name] = inputs[m.name] / s
             tick("awq scales (experts)", len(group))
+    clip = _expert_clip_ratios(linears, specs, inputs, recipe, scale_dtype)  # routed experts, batched
 
     weights, errors = {}, {}
 
@@ -210,7 +221,9 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
         spec, w = specs[name], lin.weight.detach().to(torch.float32)
         if spec.scheme in ("awq", "rtn"):
             ratio = 1.0
-            if spec.scheme == "awq" and recipe.awq.clip and not name.endswith(NO_CLIP):
+            if name in clip:
+                ratio = clip.pop(name)
+            elif spec.scheme == "awq" and recipe.awq.clip and not name.endswith(NO_CLIP):
                 ratio = awq.search_clip(inputs[name], w, spec, recipe.awq, scale_dtype)
             qw = int_grid(w, spec, scale_dtype, clip_ratio=ratio)
         elif spec.scheme == "gptq":
@@ -222,6 +235,24 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
         finish(name, w, qw)
         del qw, w
     return LayerResult({n: weights[n] for n in linears}, {n: errors[n] for n in linears}, fallback, tokens)
+
+
+def _expert_clip_ratios(linears: dict[str, nn.Linear], specs: dict[str, SchemeSpec], inputs: dict[str, torch.Tensor],
+                        recipe: Recipe, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The clip search's ratios [N, K/G] for the routed experts' AWQ Linears, searched in batches of
+    one shape and spec (awq.search_clip_experts); other Linears are searched one by one."""
+    if not recipe.awq.clip:
+        return {}
+    by_kind: dict[tuple, list[str]] = {}
+    for n, s in specs.items():
+        if s.scheme == "awq" and ".experts." in n and not n.endswith(NO_CLIP):
+            by_kind.setdefault((tuple(linears[n].weight.shape), s), []).append(n)
+    out = {}
+    for (_, spec), names in by_kind.items():
+        ratios = awq.search_clip_experts([inputs[n] for n in names], [linears[n].weight.detach() for n in names],
+                                         spec, recipe.awq, scale_dtype)
+        out.update(zip(names, ratios))
+    return out
 
 
 def _expert_gptq_batches(linears: dict[str, nn.Linear], specs: dict[str, SchemeSpec]) -> list[list[str]]:
