@@ -129,7 +129,7 @@ def card_text(model_dir: Path) -> str:
         "unigram model of the training stream with add-one smoothing, *own* uses the evaluated "
         "text's own token frequencies (the best any unigram model can do on it). The slice "
         f"column is the first {sl} tokens of each set, recomputed on CPU by "
-        "tests/test_bundled_models.py (within 1%).",
+        "tests/assets/test_bundled_models.py (within 1%).",
         "",
         "| set | tokens | perplexity | unigram (train-fit) | unigram (own) | slice perplexity |",
         "| --- | --- | --- | --- | --- | --- |",

@@ -13,7 +13,7 @@ from dsquant.calibrate.capture import LayerCapture
 from dsquant.calibrate.gptq import HessianAccumulator, gptq_quantize, gptq_quantize_batch
 from dsquant.calibrate.quantizers import int_grid
 from dsquant.calibrate.recipe import GPTQOptions, SchemeSpec
-from tests.test_quantize import quantize
+from tests.calibrate.test_quantize import quantize
 from tests.tiny_checkpoints import write_tiny_v3
 
 
