@@ -106,7 +106,6 @@ def count_decode_step(config: dict, dtype: torch.dtype = torch.float32,
     from dsquant.bench.random_model import V2_LITE, RandomCheckpointReader, make_config_dir
     from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
     from dsquant.runtime.engine.sequence import SamplingParams
-    from dsquant.runtime.layers.fused import use_fused_ops
 
     counter = KernelCounter()
     _patch_triton(counter)
@@ -115,8 +114,7 @@ def count_decode_step(config: dict, dtype: torch.dtype = torch.float32,
         reader = RandomCheckpointReader(path, std=0.2)
         eng = LLMEngine(path, EngineConfig(device="cpu", dtype=dtype, kernels=True, block_size=4,
                                            num_blocks=16, max_model_len=64, enforce_eager=True), reader=reader)
-    model = eng.model
-    use_fused_ops(model)  # what the engine does on CUDA (idempotent)
+    model = eng.model  # built of the kernel-path modules (layers/fused.py), as on CUDA
     _hook_modules(model, counter)
     eng.add_request(list(range(2, 2 + prompt_len)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     eng.step()  # prefill, not counted

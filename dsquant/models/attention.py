@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsquant.config import ModelConfig
-from dsquant.models.layers import Backends, RMSNorm
+from dsquant.models.layers import Backends
 from dsquant.models.rope import apply_rope, softmax_scale_factor
 
 
@@ -44,6 +44,11 @@ def _causal_mask(ctx: EagerContext, t: int, device) -> torch.Tensor | None:
 
 class EagerAttention:
     """Pure-torch causal attention over a padded batch (the oracle path)."""
+
+    mla_fused = None  # no fused MLA path (models.layers.AttentionBackend)
+
+    def prepare(self, decoder_layer) -> None:
+        pass
 
     def gqa(self, module, q, k, v, ctx: EagerContext):
         # q [B, T, Hq, D]; k, v [B, T, Hkv, D] -> [B, T, Hq, D]
@@ -110,11 +115,11 @@ class MLAttention(nn.Module):
             self.q_proj = backends.linear(f"{prefix}.q_proj", hid, h * cfg.qk_head_dim, False)
         else:
             self.q_a_proj = backends.linear(f"{prefix}.q_a_proj", hid, self.q_lora_rank, bias)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
+            self.q_a_layernorm = backends.norm_cls(self.q_lora_rank, 1e-6)
             self.q_b_proj = backends.linear(f"{prefix}.q_b_proj", self.q_lora_rank, h * cfg.qk_head_dim, False)
         self.kv_a_proj_with_mqa = backends.linear(
             f"{prefix}.kv_a_proj_with_mqa", hid, self.kv_lora_rank + self.qk_rope_head_dim, bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_a_layernorm = backends.norm_cls(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = backends.linear(
             f"{prefix}.kv_b_proj", self.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim), False)
         self.o_proj = backends.linear(f"{prefix}.o_proj", h * self.v_head_dim, hid, bias)

@@ -4,7 +4,9 @@ The families differ only in the attention module (MLA or GQA) and the MLP (MoE o
 one `CausalLM` builds either from the config; module names match the checkpoints' tensor names
 ("model.layers.{i}.self_attn.q_a_proj.weight"), so loading copies tensors by name. Modules are
 created on the meta device; the loader materialises them on the target device from the
-checkpoint, one decoder layer at a time if asked.
+checkpoint, one decoder layer at a time if asked. Which classes are built (the plain ones, or the
+runtime's kernel-path subclasses) and how tensor-parallel ranks combine their partial sums is
+decided by `Backends` (models/layers.py) at construction.
 """
 from __future__ import annotations
 
@@ -13,32 +15,34 @@ from torch import nn
 
 from dsquant.config import ModelConfig
 from dsquant.models.attention import EagerAttention, EagerContext, GQAAttention, MLAttention
-from dsquant.models.layers import Backends, GatedMLP, RMSNorm
+from dsquant.models.layers import Backends
 from dsquant.models.moe import MoE, LoopMoE
 from dsquant.models.rope import inv_freq_and_attention_factor
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)). `all_reduce` sums the attention
+    and MLP outputs over tensor-parallel ranks (each holds a partial sum); one process: unchanged."""
 
     def __init__(self, cfg: ModelConfig, idx: int, backends: Backends):
         super().__init__()
         prefix = f"model.layers.{idx}"
         self.layer_idx = idx
         attn_backend = backends.attention or EagerAttention()
-        attn_cls = MLAttention if cfg.is_deepseek else GQAAttention
+        attn_cls = (backends.mla_cls or MLAttention) if cfg.is_deepseek else GQAAttention
         self.self_attn = attn_cls(cfg, f"{prefix}.self_attn", backends, attn_backend)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = backends.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = backends.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(idx):
-            self.mlp = MoE(cfg, f"{prefix}.mlp", backends, backends.moe or LoopMoE())
+            self.mlp = (backends.moe_cls or MoE)(cfg, f"{prefix}.mlp", backends, backends.moe or LoopMoE())
         else:
-            self.mlp = GatedMLP(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, backends)
+            self.mlp = backends.mlp_cls(f"{prefix}.mlp", cfg.hidden_size, cfg.intermediate_size, backends)
+        self.all_reduce = backends.all_reduce
 
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
         # hidden [B, T, hidden_size]
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.all_reduce(self.self_attn(self.input_layernorm(hidden), ctx))
+        return hidden + self.all_reduce(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 class DecoderStack(nn.Module):
@@ -47,8 +51,9 @@ class DecoderStack(nn.Module):
     def __init__(self, cfg: ModelConfig, backends: Backends):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backends) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        layer_cls = backends.decoder_layer_cls or DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(cfg, i, backends) for i in range(cfg.num_hidden_layers))
+        self.norm = backends.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
@@ -77,7 +82,8 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden))
+        # tensor parallel: lm_head gives this rank's part of the vocabulary; gathered to rank 0
+        return self.backends.gather_logits(self.lm_head(self.model.norm(hidden)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, ctx=None) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """DeepSeek mixture of experts: router (gate), routed experts, shared experts.
 
 Routing (softmax/sigmoid scores; greedy, group_limited_greedy, noaux_tc) is models/routing.py.
-The experts themselves run through a pluggable backend; `LoopMoE` is the reference loop. A backend
-may also run the shared experts (the runtime's FusedMoE stacks them with the routed experts): it
-then answers True to `runs_shared_experts(module)` and MoE.forward does not run them again.
+The experts themselves run through a pluggable backend (models.layers.MoEBackend); `LoopMoE` is the
+reference loop. A backend may also run the shared experts (the runtime's FusedMoE stacks them with
+the routed experts): it then answers True to `runs_shared_experts(module)` and MoE.forward does not
+run them again. The router and expert MLP classes come from `Backends` (router_cls, mlp_cls).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from dsquant.config import ModelConfig
-from dsquant.models.layers import Backends, GatedMLP
+from dsquant.models.layers import Backends
 from dsquant.models.routing import RoutingConfig, route
 
 
@@ -34,14 +35,14 @@ class Router(nn.Module):
         return route(x, self.weight, self.routing, self.e_score_correction_bias)
 
 
-def backend_runs_shared(backend, module: "MoE") -> bool:
-    """Whether `backend` runs module's shared experts itself (backends without the method do not)."""
-    runs = getattr(backend, "runs_shared_experts", None)
-    return runs is not None and runs(module)
-
-
 class LoopMoE:
     """Reference experts backend: for each expert hit, run its MLP on its tokens, weight, sum."""
+
+    def runs_shared_experts(self, module: "MoE") -> bool:
+        return False
+
+    def prepare(self, decoder_layer) -> None:
+        pass
 
     def experts(self, module: "MoE", x, topk_ids, topk_weights):
         # x [T, hidden]; topk_ids, topk_weights [T, k]
@@ -59,14 +60,14 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, prefix: str, backends: Backends, backend):
         super().__init__()
         self.cfg = cfg
-        self.gate = Router(cfg)
+        self.gate = (backends.router_cls or Router)(cfg)
         self.experts = nn.ModuleList(
-            GatedMLP(f"{prefix}.experts.{i}", cfg.hidden_size, cfg.moe_intermediate_size, backends)
+            backends.mlp_cls(f"{prefix}.experts.{i}", cfg.hidden_size, cfg.moe_intermediate_size, backends)
             for i in range(cfg.n_routed_experts))
         self.shared_experts = None
         if cfg.n_shared_experts:
-            self.shared_experts = GatedMLP(f"{prefix}.shared_experts", cfg.hidden_size,
-                                           cfg.moe_intermediate_size * cfg.n_shared_experts, backends)
+            self.shared_experts = backends.mlp_cls(f"{prefix}.shared_experts", cfg.hidden_size,
+                                                   cfg.moe_intermediate_size * cfg.n_shared_experts, backends)
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +75,6 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
         weights, ids = self.gate(flat)
         out = self.backend.experts(self, flat, ids, weights)
-        if self.shared_experts is not None and not backend_runs_shared(self.backend, self):
+        if self.shared_experts is not None and not self.backend.runs_shared_experts(self):
             out = out + self.shared_experts(flat)
         return out.view(shape)

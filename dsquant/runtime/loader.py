@@ -6,9 +6,10 @@
    and nothing vouches for its shards (verify=False, `dsquant serve --no-verify`, serves it
    anyway). Other checkpoints get the cheap check: each shard's size against its header.
 2. The model is built with a LinearFactory (one method object per Linear, chosen from
-   quantization_config, or AutoAWQ / AutoGPTQ side files: formats/quantization_config.py) and the runtime's
-   attention and MoE backends. AWQ / GPTQ tensors are checked against the config (bits, group
-   size, in/out features, g_idx) before they are used (formats/int4_check.py).
+   quantization_config, or AutoAWQ / AutoGPTQ side files: formats/quantization_config.py) and the
+   rest of the caller's `Backends` (attention and MoE backends, module classes; under tensor
+   parallelism the ranks' all-reduce and logits gather). AWQ / GPTQ tensors are checked against
+   the config (bits, group size, in/out features, g_idx) before they are used (formats/int4_check.py).
 3. Layer by layer: float tensors of plain modules load through models.loader (cast to the model
    dtype, dequantized when a dense module meets a quantized tensor); a QuantLinear's own tensors
    are copied as stored (int32 codes, fp8, fp32 / fp16 scales); then each method repacks its
@@ -16,6 +17,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -161,11 +163,14 @@ def load_runtime_model(path: str | Path, backends: Backends, dtype: torch.dtype 
     cfg = load_config(path)
     reader = reader if reader is not None else CheckpointReader(path)
     factory = LinearFactory(cfg.quantization_config, reader, kernels=kernels, source=cfg.quantization_source)
-    backends = Backends(linear=factory, attention=backends.attention, moe=backends.moe, extra=backends.extra)
-    model = CausalLM(cfg, backends)
-    if parallel is not None and parallel.world_size > 1:
-        from dsquant.runtime.parallel.model import shard_model
+    backends = dataclasses.replace(backends, linear=factory)
+    sharded = parallel is not None and parallel.world_size > 1
+    if sharded:
+        from dsquant.runtime.parallel.model import shard_model, tensor_parallel_backends
 
+        backends = tensor_parallel_backends(backends, cfg, parallel)
+    model = CausalLM(cfg, backends)
+    if sharded:
         reader = shard_model(model, reader, parallel)
     source = WeightSource(reader, cfg)
     dtype = dtype or default_dtype(cfg)

@@ -2,11 +2,14 @@
 
 The engine (engine/llm_engine.py) and the tensor-parallel workers (parallel/launch.py, worker.py)
 build through here, so the parallel code never imports the engine. What `build_runner` does:
-- chooses the attention and MoE backends (Triton paged attention and fused MoE with kernels on,
-  else the torch references), and on the kernel path the per-layer preparation that runs before
-  each Linear repacks its checkpoint tensors (experts stacked, MLA input projections fused);
+- chooses the `Backends` (models/layers.py): with kernels on, Triton paged attention, the fused
+  MoE and the kernel-path module classes (layers/fused.py: Triton RMSNorm (+ residual add),
+  routing, SiLU-and-mul, MLA rope and fused MLA), so the model is built of them; else the torch
+  references and the plain classes;
+- the per-layer preparation that runs before each Linear repacks its checkpoint tensors (each
+  backend's `prepare`: MLA's absorbed weights, experts stacked; on the kernel path the MLA input
+  projections fused);
 - loads the weights (runtime/loader.py: this rank's shard under tensor parallelism);
-- swaps in the fused Triton ops (RMSNorm, routing, SiLU-and-mul, rope) on the kernel path;
 - wraps the model in its ModelRunner (CUDA graphs, KV cache).
 """
 from __future__ import annotations
@@ -24,36 +27,36 @@ def build_runner(path: Path, c: EngineConfig, device: torch.device, reader=None,
                  runner_cls=ModelRunner) -> ModelRunner:
     """Load the model (this rank's shard when `parallel`, a ParallelState, has world size > 1) with
     the attention / MoE backends `c` asks for, and its runner (`runner.model`)."""
+    from dsquant.runtime.layers.fused_linear import fuse_mla_input_projections
     from dsquant.runtime.loader import load_runtime_model
 
     use_kernels = c.kernels if c.kernels is not None else device.type == "cuda"
+    # q_proj is split by heads under tensor parallelism, kv_a is not: their GEMMs stay apart there
+    fuse_projections = use_kernels and not (parallel is not None and parallel.world_size > 1)
     if use_kernels:
+        from dsquant.runtime.layers import fused
         from dsquant.runtime.layers.attention_triton import TritonPagedAttention
         from dsquant.runtime.layers.moe import FusedMoE
 
-        from dsquant.runtime.layers.fused_linear import fuse_mla_input_projections
-
-        attention, moe = TritonPagedAttention(), FusedMoE()
-        sharded = parallel is not None and parallel.world_size > 1  # q_proj is split by heads there, kv_a is not
-
-        def prepare(decoder_layer):  # before each Linear repacks (and drops) its checkpoint tensors
-            attention.prepare(decoder_layer)
-            moe.prepare(decoder_layer)
-            if not sharded:
-                fuse_mla_input_projections(decoder_layer)
+        # Triton kernels on CUDA tensors; on CPU under TRITON_INTERPRET, else the torch forward
+        backends = Backends(attention=TritonPagedAttention(), moe=FusedMoE(), norm_cls=fused.TritonRMSNorm,
+                            mlp_cls=fused.TritonGatedMLP, router_cls=fused.TritonRouter, moe_cls=fused.TritonMoE,
+                            mla_cls=fused.TritonMLAttention, decoder_layer_cls=fused.FusedAddNormDecoderLayer)
     else:
         from dsquant.runtime.layers.attention import TorchPagedAttention
         from dsquant.runtime.layers.moe import LoopMoE
 
-        attention, moe, prepare = TorchPagedAttention(), LoopMoE(), None
-    model = load_runtime_model(path, Backends(attention=attention, moe=moe), c.dtype, device,
-                               verify=c.verify_checksums, prepare_layer=prepare,
-                               kernels=use_kernels, reader=reader, parallel=parallel)
-    if use_kernels:
-        from dsquant.runtime.layers.fused import use_fused_ops
+        backends = Backends(attention=TorchPagedAttention(), moe=LoopMoE())
+    attention, moe = backends.attention, backends.moe
 
-        # Triton RMSNorm (+ residual add), routing, SiLU-and-mul, MLA rope; CPU: under TRITON_INTERPRET
-        use_fused_ops(model)
+    def prepare(decoder_layer):  # before each Linear repacks (and drops) its checkpoint tensors
+        attention.prepare(decoder_layer)
+        moe.prepare(decoder_layer)
+        if fuse_projections:
+            fuse_mla_input_projections(decoder_layer)
+
+    model = load_runtime_model(path, backends, c.dtype, device, verify=c.verify_checksums, prepare_layer=prepare,
+                               kernels=use_kernels, reader=reader, parallel=parallel)
     dtype = next(model.parameters()).dtype if c.dtype is None else c.dtype
     max_model_len = c.max_model_len or model.config.max_position_embeddings
     return runner_cls(model, attention, RunnerConfig(

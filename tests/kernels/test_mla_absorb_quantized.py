@@ -32,7 +32,6 @@ import pytest
 import torch
 
 from dsquant.config import ModelConfig
-from dsquant.models.attention import MLAttention
 from dsquant.models.layers import Backends
 from dsquant.runtime.kernels.attention.reference_attention import gather_paged, make_block_table
 from dsquant.runtime.layers.attention import PagedContext
@@ -51,15 +50,13 @@ LOGIT_STD = 2.5  # the q scale is set per head so that scores have about this sp
 
 
 def mla_module(heads, nope, rope, v, rank, quant_config, backend):
-    """A real MLAttention re-classed as the engine's kernel path does (layers/fused.use_fused_ops);
+    """The MLA module the engine's kernel path builds (layers/fused.TritonMLAttention);
     only kv_b_proj and kv_a_layernorm are materialised."""
     cfg = ModelConfig(architecture="DeepseekV3ForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=64,
                       num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=heads,
                       max_position_embeddings=1 << 16, kv_lora_rank=rank, qk_nope_head_dim=nope,
                       qk_rope_head_dim=rope, v_head_dim=v, raw={"quantization_config": quant_config})
-    module = MLAttention(cfg, PREFIX, Backends(linear=LinearFactory(quant_config)), backend)
-    module.__class__ = TritonMLAttention
-    return module
+    return TritonMLAttention(cfg, PREFIX, Backends(linear=LinearFactory(quant_config)), backend)
 
 
 def fill(layer, tensors: dict, device, dtype):

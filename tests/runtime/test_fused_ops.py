@@ -1,5 +1,6 @@
-"""layers/fused.py: each re-classed module (routing kernel, SiLU-and-mul, MLA rope in place, MoE
-sum with the residual add) gives its reference module's output on the same weights and fresh random inputs. On CPU the kernels run
+"""layers/fused.py: each kernel-path module the engine builds (routing kernel, SiLU-and-mul, MLA rope in
+place, MoE sum with the residual add) gives its reference module's output on the same weights and fresh
+random inputs (the reference: the same module run as its plain class). On CPU the kernels run
 under the Triton interpreter in fp32; the gpu variant runs bf16 on CUDA."""
 import pytest
 import torch
@@ -16,6 +17,8 @@ ORIGINAL = {TritonRouter: Router, TritonGatedMLP: GatedMLP, TritonMLAttention: M
 
 class _Capture:
     """Stand-in attention backend: returns q_pe and k_pe as they reach it."""
+
+    mla_fused = None  # no fused path: attend runs the rope and calls mla
 
     def mla(self, module, q_nope, q_pe, kv_latent, k_pe, ctx):
         self.seen = (q_nope.clone(), q_pe.clone(), kv_latent.clone(), k_pe.clone())

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsquant.models.layers import PagedAttentionBackend
 from dsquant.runtime.engine.async_step import SampledTokens, TokenReadback
 from dsquant.runtime.engine.packed_copy import PackedCopy
 from dsquant.runtime.engine.penalties import PenaltyTensors
@@ -57,7 +58,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, attention, config: RunnerConfig, seed: int = 0):
+    def __init__(self, model, attention: PagedAttentionBackend, config: RunnerConfig, seed: int = 0):
         self.model, self.attention, self.config = model, attention, config
         self.cfg = model.config
         model.inv_freq = model.inv_freq.to(config.device)  # so rope_cos_sin never copies host -> device

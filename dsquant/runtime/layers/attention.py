@@ -40,7 +40,10 @@ class PagedContext:
 
 
 class PagedAttentionBase:
-    """Holds the caches and maps each attention module to its layer index."""
+    """Holds the caches and maps each attention module to its layer index (models.layers
+    PagedAttentionBackend)."""
+
+    mla_fused = None  # the Triton backend's fused MLA (attention_triton.py); none here
 
     def __init__(self):
         self.layer_index: dict = {}
@@ -52,6 +55,9 @@ class PagedAttentionBase:
         self.layer_index = {layer.self_attn: i for i, layer in enumerate(model.model.layers)}
         self.kv_caches = kv_caches
         self.spec = spec or KVCacheSpec(dtype=kv_caches[0][0].dtype if kv_caches else torch.bfloat16)
+
+    def prepare(self, decoder_layer) -> None:
+        """Right after a layer loads, before its linears repack: nothing to take here."""
 
     def caches_of(self, module) -> tuple:
         return self.kv_caches[self.layer_index[module]]

@@ -10,7 +10,7 @@ kv_b_proj's dense (dequantized) weight.
 `mla_fused` is the same attention from the projections' raw outputs in three launches
 (mla_absorb.py): mla_prepare (q rope, W_UK, kv_a RMSNorm, k rope, cache store), the split decode
 kernel, and mla_merge_uv (split merge and W_UV; decode-sized batches, else merge + einsum); the
-fused MLA module (layers/fused.py) calls it.
+kernel-path MLA module (layers/fused.py TritonMLAttention) calls it (other backends' mla_fused is None).
 FP8 cache (self.spec.fp8, layers/kv_cache.py): the stores quantize (kv_store_fp8.py), the decode and
 prefill kernels dequantize in registers. mla_fused then has mla_prepare write the normed latent and
 rotated rope key to a [T, R + P] scratch buffer, which store_latent_fp8 quantizes into the cache (one
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from dsquant.models.attention import MLAttention
 from dsquant.runtime.layers.attention import PagedAttentionBase, PagedContext
+from dsquant.runtime.layers.linear import QuantLinear
 
 
 class TritonPagedAttention(PagedAttentionBase):
@@ -31,13 +33,12 @@ class TritonPagedAttention(PagedAttentionBase):
     def prepare(self, decoder_layer) -> None:
         """Right after a layer loads, before its linears repack: take MLA's absorbed weights."""
         module = decoder_layer.self_attn
-        if not hasattr(module, "kv_lora_rank"):
+        if not isinstance(module, MLAttention):
             return
-        proj = module.kv_b_proj
-        w = proj.method.dequantized_weight(proj, torch.float32) if hasattr(proj, "method") else proj.weight.float()
+        proj: QuantLinear = module.kv_b_proj  # the runtime's linears are QuantLinears (layers/linear.py)
+        w, dtype = proj.method.dequantized_weight(proj, torch.float32), proj.compute_dtype
         w = w.view(module.num_heads, module.qk_nope_head_dim + module.v_head_dim, module.kv_lora_rank)
         w_uk, w_uv = w.split([module.qk_nope_head_dim, module.v_head_dim], dim=1)  # [H, nope, R], [H, v, R]
-        dtype = getattr(proj, "compute_dtype", torch.bfloat16)
         self.absorbed[module] = (w_uk.to(dtype).contiguous(), w_uv.to(dtype).contiguous())
 
     def _absorbed(self, module, dtype):

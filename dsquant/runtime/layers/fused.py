@@ -2,29 +2,31 @@
 costs 3-5 us in a CUDA graph), so the many elementwise torch kernels per layer are replaced by one
 Triton launch each; scripts/count_decode_ops.py counts them per layer.
 
-`use_fused_ops(model)` (the engine calls it when kernels are on) re-classes, in place:
-  RMSNorm       -> TritonRMSNorm: one runtime/kernels/ops/rmsnorm.py launch (x [..., H], weight [H])
-  DecoderLayer  -> FusedAddNormDecoderLayer: the residual add after attention fused into
-                   post_attention_layernorm (fused_add_rms_norm), one launch for add + norm; on
-                   MoE layers the residual add after the MLP joins the experts' sum (TritonMoE).
-  MoE           -> TritonMoE: on the FusedMoE backend, the routing emits the folded shared experts'
-                   columns itself (moe_route n_shared), and the weighted top-k sum, the shared
-                   experts' output and the decoder's residual add are one moe_sum.py launch. Not under
-                   expert parallelism (ExpertParallel): its partial sums are all-reduced by a
-                   hook on the module's output, which must then not include the residual.
-  Router        -> TritonRouter: fp32 logits from one GEMM (CUDA bf16/fp16: router_gemv.py up to
-                   16 tokens, else cuBLAS with fp32 output, no casts; else an fp32 copy of the weight
-                   made once), then softmax / sigmoid, grouped top-k, normalisation and scaling in one
-                   moe_route.py launch.
-  GatedMLP      -> TritonGatedMLP: silu(gate) * up in one activation.silu_mul launch.
-  MLAttention   -> TritonMLAttention: q (or q_a) and kv_a projections as one GEMM when the loader
-                   fused them (fused_linear.py); with the Triton paged backend, norm + rope + cache store + W_UK in
-                   one launch and split merge + W_UV in another (attention_triton.mla_fused); with
-                   other backends q_pe and k_pe rotated in place by one rope.py launch.
+Each class subclasses the plain module; with kernels on, the model builder (runtime/model_builder.py)
+passes them in `Backends` (models/layers.py), so the model is built of them from the start:
+  norm_cls           TritonRMSNorm: one runtime/kernels/ops/rmsnorm.py launch (x [..., H], weight [H])
+  decoder_layer_cls  FusedAddNormDecoderLayer: the residual add after attention fused into
+                     post_attention_layernorm (fused_add_rms_norm), one launch for add + norm; on
+                     MoE layers the residual add after the MLP joins the experts' sum (TritonMoE).
+  moe_cls            TritonMoE: on the FusedMoE backend, the routing emits the folded shared experts'
+                     columns itself (moe_route n_shared), and the weighted top-k sum, the shared
+                     experts' output and the decoder's residual add are one moe_sum.py launch. Not under
+                     expert parallelism (ExpertParallel): its partial sums are all-reduced by the
+                     decoder layer, so the residual must not be in them.
+  router_cls         TritonRouter: fp32 logits from one GEMM (CUDA bf16/fp16: router_gemv.py up to
+                     16 tokens, else cuBLAS with fp32 output, no casts; else an fp32 copy of the weight
+                     made once), then softmax / sigmoid, grouped top-k, normalisation and scaling in one
+                     moe_route.py launch.
+  mlp_cls            TritonGatedMLP: silu(gate) * up in one activation.silu_mul launch.
+  mla_cls            TritonMLAttention: q (or q_a) and kv_a projections as one GEMM when the loader
+                     fused them (fused_linear.py, `fused_qkv_a`); with a backend that has `mla_fused`
+                     (attention_triton.py), norm + rope + cache store + W_UK in one launch and split
+                     merge + W_UV in another; with other backends q_pe and k_pe rotated in place by one
+                     rope.py launch.
 All keep the reference numerics up to fp32 rounding (sums rounded to the activation dtype, the
 normalised value and silu(gate) rounded as transformers rounds them) and fall back to the torch
 forward on CPU tensors unless TRITON_INTERPRET=1 (then the kernels run in the interpreter, as the
-engine's CPU kernel-path tests want). Weights and module names are untouched.
+engine's CPU kernel-path tests want). Weights and module names are the plain modules'.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from dsquant.models.attention import MLAttention
 from dsquant.models.causal_lm import DecoderLayer
 from dsquant.models.layers import GatedMLP, RMSNorm
 from dsquant.models.moe import MoE, Router
+from dsquant.runtime.layers.linear import QuantLinear
 from dsquant.runtime.layers.moe import FusedMoE
 
 
@@ -60,18 +63,18 @@ class FusedAddNormDecoderLayer(DecoderLayer):
         from dsquant.runtime.kernels.ops.rmsnorm import fused_add_rms_norm
 
         # hidden [B, T, H]
-        attn = self.self_attn(self.input_layernorm(hidden), ctx)
+        attn = self.all_reduce(self.self_attn(self.input_layernorm(hidden), ctx))
         norm = self.post_attention_layernorm
         normed, hidden = fused_add_rms_norm(attn, hidden, norm.weight, norm.eps)  # add, then norm
         if isinstance(self.mlp, TritonMoE) and self.mlp.adds_residual():
             return self.mlp(normed, residual=hidden)  # experts' sum + shared + residual: one launch
-        return hidden + self.mlp(normed)
+        return hidden + self.all_reduce(self.mlp(normed))
 
 
 class TritonMoE(MoE):
     def adds_residual(self) -> bool:
         """Whether forward(x, residual) fuses the add: on FusedMoE itself, not wrapped for expert
-        parallelism (whose all-reduce hook on this module's output would sum the residual too)."""
+        parallelism (the decoder layer's all-reduce of this module's output would sum the residual too)."""
         return isinstance(self.backend, FusedMoE)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,20 +137,24 @@ class TritonGatedMLP(GatedMLP):
 
 
 class TritonMLAttention(MLAttention):
+    def __init__(self, cfg, prefix: str, backends, backend):
+        super().__init__(cfg, prefix, backends, backend)
+        # q (or q_a) and kv_a as one linear, and its two output widths; set at load (fused_linear.py)
+        self.fused_qkv_a: QuantLinear | None = None
+        self.qkv_a_sizes: tuple[int, int] | None = None
+
     def project(self, x: torch.Tensor):
-        fused = getattr(self, "fused_qkv_a", None)  # q (or q_a) and kv_a as one linear (layers/fused_linear.py)
-        if fused is None:
+        if self.fused_qkv_a is None:
             return super().project(x)
-        q, latent = fused(x).split(self.qkv_a_sizes, dim=-1)  # [B, T, Nq], [B, T, R + rope]
+        q, latent = self.fused_qkv_a(x).split(self.qkv_a_sizes, dim=-1)  # [B, T, Nq], [B, T, R + rope]
         if self.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q, latent
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, ctx):
-        fused = getattr(self.backend, "mla_fused", None)  # the Triton paged backend's three-launch MLA
-        if fused is None or not runs_triton(q):
+        if self.backend.mla_fused is None or not runs_triton(q):  # the Triton paged backend's three-launch MLA
             return super().attend(q, latent, ctx)
-        return fused(self, q, latent, ctx)  # [B, T, H, v]
+        return self.backend.mla_fused(self, q, latent, ctx)  # [B, T, H, v]
 
     def rotate(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ctx):
         if not runs_triton(q_pe):
@@ -161,18 +168,3 @@ class TritonMLAttention(MLAttention):
                    ctx.cos.view(b * t, half), ctx.sin.view(b * t, half),
                    layout="interleaved" if self.rope_interleave else "neox")
         return q_pe, k_pe
-
-
-FUSED = {RMSNorm: TritonRMSNorm, DecoderLayer: FusedAddNormDecoderLayer, Router: TritonRouter,
-         GatedMLP: TritonGatedMLP, MLAttention: TritonMLAttention, MoE: TritonMoE}
-
-
-def use_fused_ops(model: torch.nn.Module) -> int:
-    """Re-class the model's modules listed in FUSED; returns how many were changed."""
-    changed = 0
-    for module in model.modules():
-        fused = FUSED.get(type(module))
-        if fused is not None:
-            module.__class__ = fused
-            changed += 1
-    return changed

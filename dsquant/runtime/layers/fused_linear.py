@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from dsquant.runtime.layers.fused import TritonMLAttention
 from dsquant.runtime.layers.linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,11 @@ def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> Quan
         why = "input sizes differ"
     elif first.out_features % _CONCAT[fmt][2]:
         why = f"{first.prefix} has {first.out_features} outputs, not a multiple of {_CONCAT[fmt][2]}"
-    elif getattr(first.method, "group_size", None) != getattr(second.method, "group_size", None):
+    elif first.method.group_size != second.method.group_size:
         why = "group sizes differ"
     elif fmt == "gptq" and not torch.equal(first.g_idx, second.g_idx):
         why = "g_idx differ"
-    if why is None and any(getattr(m, t, None) is None or t not in m._parameters
-                           for m in (first, second) for t in _CONCAT[fmt][0]):
+    if why is None and any(m._parameters.get(t) is None for m in (first, second) for t in _CONCAT[fmt][0]):
         why = "tensors already repacked"
     if why is not None:
         log.debug("%s: not fused (%s)", prefix, why)
@@ -68,9 +68,9 @@ def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> Quan
 
 
 def fuse_mla_input_projections(decoder_layer) -> bool:
-    """Give an MLA layer `fused_qkv_a` (processed) and `qkv_a_sizes`; True if it did."""
+    """Give a kernel-path MLA layer `fused_qkv_a` (processed) and `qkv_a_sizes`; True if it did."""
     attn = decoder_layer.self_attn
-    if not hasattr(attn, "kv_a_proj_with_mqa"):
+    if not isinstance(attn, TritonMLAttention):
         return False
     first = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
     prefix = first.prefix.rpartition(".")[0] + ".fused_qkv_a_proj"

@@ -88,7 +88,7 @@ class LinearFactory:
             if marker not in self.reader and f"{prefix}.weight" in self.reader:
                 log.debug("%s: %s not in the checkpoint, loading it dense", prefix, marker)
                 method = DenseMethod()
-        if prefix.endswith("kv_b_proj") and getattr(method, "dynamic_activations", False):
+        if prefix.endswith("kv_b_proj") and method.dynamic_activations:
             # MLA's kernel path absorbs kv_b_proj (W_UK, W_UV dequantized), so its input is never
             # quantized there: FP8 weight-only on every path, so all paths compute one product
             method.dynamic_activations = False

@@ -31,6 +31,8 @@ class LinearMethod:
 
     name = "base"
     kernels = True  # False: the pure-torch path on every device (EngineConfig.kernels=False)
+    group_size: int | None = None  # INT4 formats: input channels per scale group (-1: one over K)
+    dynamic_activations = False  # W8A8 formats: x quantized per token and 128 channels too
 
     def use_kernels(self, t: torch.Tensor) -> bool:
         return self.kernels and t.is_cuda

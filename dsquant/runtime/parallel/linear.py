@@ -242,7 +242,7 @@ def shard_linear(layer: QuantLinear, kind: str, parts: list[Part], state, reader
     p, k, n, m = layer.prefix, layer.in_features, layer.out_features, layer.method
     part = parts[state.rank]
     own_keys = [key for key in reader.layer_keys(layer_of(f"{p}.weight")) if key.rpartition(".")[0] == p]
-    dynamic = getattr(m, "dynamic_activations", False)
+    dynamic = m.dynamic_activations
     sharded_acts = kind == ROW and dynamic and not all(_whole_groups(q, k) for q in parts)
 
     def plan(q: Part) -> LinearShard | None:

@@ -1,6 +1,9 @@
 """Turn a meta-device CausalLM into this rank's shard, and a reader that serves its tensors.
 
-`shard_model` runs after the model is built and before it loads (runtime/loader.py):
+The model is built with `tensor_parallel_backends`: each decoder layer all-reduces the output of
+its self_attn and mlp (partial sums on every rank), and CausalLM.logits gathers lm_head's output
+(this rank's part of the vocabulary) to rank 0. `shard_model` runs after the model is built and
+before it loads (runtime/loader.py):
   embed_tokens  VocabParallelEmbedding: rows [vocab part]; ids elsewhere give zeros; all-reduce
   attention     heads [h0, h1): GQA q_proj (and k/v_proj over kv heads) column-parallel, o_proj
                 row-parallel; MLA q_proj / q_b_proj and kv_b_proj column-parallel by heads
@@ -10,12 +13,13 @@
   MoE           router replicated; experts [e0, e1) kept (moe.ExpertParallel), others None;
                 shared experts sharded like a dense MLP (their partial sum joins the routed one)
   lm_head       column-parallel over the vocabulary; logits gathered to rank 0
-A forward hook all-reduces the output of every self_attn and mlp. `model.config` becomes the
-rank's view (heads per rank), which sizes the KV cache (GQA: local kv heads; MLA: unchanged).
+`model.config` becomes the rank's view (heads per rank), which sizes the KV cache (GQA: local kv
+heads; MLA: unchanged).
 """
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +27,7 @@ from torch import nn
 
 from dsquant.errors import ConfigError
 from dsquant.models.causal_lm import CausalLM
+from dsquant.models.layers import Backends
 from dsquant.models.loader import WeightSource
 from dsquant.models.moe import MoE
 from dsquant.runtime.parallel.linear import COLUMN, ROW, Part, Rule, shard_linear
@@ -151,32 +156,33 @@ class _Plan:
             self.mlp(moe.shared_experts)
 
 
+def tensor_parallel_backends(backends: Backends, cfg, state: ParallelState) -> Backends:
+    """`backends` whose model sums the attention / MLP partial sums over the ranks and gathers the
+    vocabulary-parallel logits (lm_head's [..., vocab / N] on each rank) to rank 0."""
+    width = -(-cfg.vocab_size // state.world_size)  # columns per rank (the last may hold fewer)
+    return dataclasses.replace(backends, all_reduce=partial(all_reduce, state=state),
+                               gather_logits=partial(gather_last_dim, state=state, width=width,
+                                                     total=cfg.vocab_size))
+
+
 def shard_model(model: CausalLM, reader, state: ParallelState) -> ShardedReader:
-    """Shard `model` (still on meta) in place for state.rank; return the reader to load it from."""
+    """Shard `model` (still on meta, built with tensor_parallel_backends) in place for state.rank;
+    return the reader to load it from."""
     cfg = model.config
     check_tensor_parallel(cfg, state.world_size, state.device)
     plan = _Plan(model, reader, state)
-
-    def reduce(module, inputs, out):  # attention / MLP partial sums -> the full output
-        return all_reduce(out, state)
-
     for i, layer in enumerate(model.model.layers):
         plan.attention(layer.self_attn, cfg)
-        layer.self_attn.register_forward_hook(reduce)
         if isinstance(layer.mlp, MoE):
             plan.moe(layer.mlp, i)
         else:
             plan.mlp(layer.mlp)
-        layer.mlp.register_forward_hook(reduce)
 
     vocab = plan.part(cfg.vocab_size)
     model.model.embed_tokens = VocabParallelEmbedding(vocab, cfg.hidden_size, state)
     embed = "model.embed_tokens.weight"
     plan.rules[embed] = lambda: plan.dense_weight(embed)[vocab.slice].contiguous()
     plan.linear(model.lm_head, COLUMN, plan.parts(cfg.vocab_size))
-    width = -(-cfg.vocab_size // state.world_size)
-    model.lm_head.register_forward_hook(
-        lambda module, inputs, out: gather_last_dim(out, state, width, cfg.vocab_size))
 
     local = dict(num_attention_heads=cfg.num_attention_heads // state.world_size)
     if not cfg.is_deepseek:

@@ -1,4 +1,5 @@
-"""Expert parallelism: each rank runs the routed experts it holds, the MoE all-reduce sums them.
+"""Expert parallelism: each rank runs the routed experts it holds; the decoder layer's all-reduce of
+the MoE output sums them.
 
 Rank r holds experts [start, stop) of the global numbering (n_routed_experts / N of them); the
 others are None in `MoE.experts`, so checkpoint names stay `mlp.experts.{global id}`. Routing is
@@ -17,6 +18,12 @@ class ExpertParallel:
 
     def __init__(self, inner, start: int, stop: int):
         self.inner, self.start, self.stop = inner, start, stop
+
+    def runs_shared_experts(self, module) -> bool:
+        return False  # the shared MLP is sharded like a dense one; MoE.forward adds its partial sum
+
+    def prepare(self, decoder_layer) -> None:
+        pass  # the model builder prepares the wrapped backend itself
 
     def experts(self, module, x, topk_ids, topk_weights):
         # x [T, hidden]; topk_ids (global ids), topk_weights [T, k] -> partial sum [T, hidden]
