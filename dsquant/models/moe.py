@@ -46,11 +46,23 @@ class LoopMoE:
 
     def experts(self, module: "MoE", x, topk_ids, topk_weights):
         # x [T, hidden]; topk_ids, topk_weights [T, k]
+        # The (token, slot) pairs sorted by expert once, with one host sync for the counts (calibration
+        # runs this for every batch and block-loss candidate: a nonzero per expert synced 64 times).
+        # Within an expert the tokens stay in increasing order, and the experts are summed in
+        # increasing order, so the result is the per-expert nonzero loop's, bitwise.
         out = torch.zeros_like(x, dtype=torch.float32)
-        for e in torch.unique(topk_ids).tolist():
-            token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-            y = module.experts[e](x[token])  # [n_e, hidden]
-            out.index_add_(0, token, y.to(torch.float32) * topk_weights[token, slot, None])
+        flat = topk_ids.flatten()  # [T*k]
+        order = torch.argsort(flat, stable=True)  # [T*k]
+        counts = torch.bincount(flat.long(), minlength=len(module.experts)).tolist()
+        token = order // topk_ids.shape[1]  # [T*k]
+        weight = topk_weights.flatten()[order, None]  # [T*k, 1]
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = token[start:start + count]
+                y = module.experts[e](x[rows])  # [n_e, hidden]
+                out.index_add_(0, rows, y.to(torch.float32) * weight[start:start + count])
+            start += count
         return out.to(x.dtype)
 
 
