@@ -107,3 +107,18 @@ def test_capture_keeps_rows_fed_one_tensor_once_and_equal_to_a_plain_capture():
     e = f"{prefix}.mlp.experts.0"
     assert inputs[f"{e}.gate_proj"] is inputs[f"{e}.up_proj"]
     assert inputs[f"{e}.down_proj"] is not inputs[f"{e}.up_proj"]
+
+
+def test_stacked_candidates_equal_each_members_own():
+    """The gate/up group's candidates, stacked by shape in batches, are each member's Q(W s) / s."""
+    ws, _ = _clip_cases(7, 40, 128, seed=5)
+    ws[5] = ws[5][:24]  # another shape
+    specs = [SchemeSpec("awq", 4, 32)] * 6 + [SchemeSpec("fp8_block", 8, 128)]
+    members = [awq.Member(f"m{i}", w.to(torch.bfloat16), sp, torch.empty(0)) for i, (w, sp) in enumerate(zip(ws, specs))]
+    s = torch.rand(128, generator=torch.Generator().manual_seed(2)) * 4 + 0.25
+    want = {m.name: awq._candidate(m, s, torch.float16).to(m.weight.dtype) for m in members}
+    for batch_bytes in (1, 2 * 3 * 4 * 40 * 128, 1 << 30):
+        got = awq._stacked_candidates(members, s, torch.float16, batch_bytes=batch_bytes)
+        assert list(got) == list(want)
+        for name in want:
+            assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], want[name]), name

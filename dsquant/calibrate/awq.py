@@ -71,6 +71,30 @@ def _candidate(m: Member, s: torch.Tensor, scale_dtype: torch.dtype) -> torch.Te
     return fake_quant(m.weight.float() * s, m.spec, scale_dtype) / s
 
 
+def _stacked_candidates(members: list[Member], s: torch.Tensor, scale_dtype: torch.dtype,
+                        batch_bytes: int = 1 << 29) -> dict[str, torch.Tensor]:
+    """{name: Q(W * s) / s [N, K] in the member's dtype} for every member: INT members of one
+    shape, spec and dtype stacked ([E*N, K]: groups run along K within a row, so stacking rows
+    changes nothing) in batches of `batch_bytes` of fp32, a few launches a batch instead of a
+    few dozen a member (an MoE layer's gate/up group has 130 members); others one by one."""
+    out: dict[str, torch.Tensor] = {}
+    kinds: dict[tuple, list[Member]] = {}
+    for m in members:
+        if m.spec.is_int:
+            kinds.setdefault((tuple(m.weight.shape), m.spec, m.weight.dtype), []).append(m)
+        else:
+            out[m.name] = _candidate(m, s, scale_dtype).to(m.weight.dtype)
+    for ((n, k), spec, dtype), group in kinds.items():
+        size = max(1, batch_bytes // (3 * 4 * n * k))  # the stacked weights, their grid, the division
+        for start in range(0, len(group), size):
+            part = group[start:start + size]
+            w = torch.stack([m.weight for m in part]).float().mul_(s)  # [E, N, K]
+            q = fake_quant(w.reshape(-1, k), spec, scale_dtype).reshape(w.shape).div_(s).to(dtype)
+            del w
+            out.update(zip((m.name for m in part), q.unbind(0)))
+    return {m.name: out[m.name] for m in members}
+
+
 def search_scales(members: list[Member], opts: AWQOptions, scale_dtype: torch.dtype,
                   block_loss=None) -> torch.Tensor:
     """Best per-input-channel scale s [K] for the group (ones if no member is an INT scheme).
@@ -88,7 +112,7 @@ def search_scales(members: list[Member], opts: AWQOptions, scale_dtype: torch.dt
     best, best_loss = torch.ones(k, device=device), float("inf")
     for s in candidate_scales(members, opts):
         if block_loss is not None:  # the candidates in the layer's dtype, which block_loss runs in
-            loss = block_loss({m.name: _candidate(m, s, scale_dtype).to(m.weight.dtype) for m in members})
+            loss = block_loss(_stacked_candidates(members, s, scale_dtype))
         else:
             loss = sum(float((m.x @ _candidate(m, s, scale_dtype).t() - ref).pow(2).sum())
                        for m, ref in zip(members, refs) if m.x.numel()) / max(total, 1)

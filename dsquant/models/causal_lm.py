@@ -50,7 +50,9 @@ class DecoderStack(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backends: Backends):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        # given its (meta) weight, Embedding skips reset_parameters: a normal_ on meta imports torch._dynamo (3 s)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta"))
         layer_cls = backends.decoder_layer_cls or DecoderLayer
         self.layers = nn.ModuleList(layer_cls(cfg, i, backends) for i in range(cfg.num_hidden_layers))
         self.norm = backends.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
