@@ -3,12 +3,14 @@
 python scripts/engine_variance.py OUT.json MODEL_DIR [ARTIFACT ...] [--rounds 3] [--device cuda]
 
 Each round builds one engine per model (interleaved: A B C, A B C, ...) with validate's latency
-settings (measure_latency, the tune proof's LatencySpec), and records for its timed batch-1 TPOT
-runs, per decode step: wall time of engine.step(), the host CPU time of the process over it
-(time.process_time), and the wall time spent in scheduling, launch (prepare + graph replay
-enqueue), the wait for the sampled tokens and the post-processing; the GPU time of the graph
-replays (CUDA events); context switches; the CPU the main thread ran on. So a slow instance shows
-whether it was host work (CPU time up), waiting (CPU time flat, wall up) or the GPU.
+settings (measure_latency, the tune proof's LatencySpec) and records every step of it through the
+engine's own step timing (LLMEngine.time_steps(StepTimes()), runtime/engine/step_times.py): per
+batch-1 step (one sampled row) the wall time of engine.step(), the host CPU time of the process over
+it, the GPU time of its forward + sampling (CUDA events). On top of that this script splits each
+step's wall time into scheduling, launch (prepare + graph replay enqueue) and post-processing (the
+wait for the sampled tokens included), and notes the CPU the main thread ran each launch on; and
+per instance, context switches. So a slow instance shows whether it was host work (CPU time up),
+waiting (CPU time flat, wall up) or the GPU.
 """
 import argparse
 import json
@@ -20,21 +22,31 @@ from pathlib import Path
 
 import torch
 
-from dsquant.runtime.engine import cuda_graph, llm_engine
+from dsquant.runtime.engine import llm_engine
+from dsquant.runtime.engine.step_times import StepTimes
 from dsquant.tune.runner import latency_spec
 from dsquant.validate import latency as vlat
 
-REC: dict = {}
+TIMES = StepTimes()  # the engine's step records of the instance being measured
 PARTS = ("schedule", "launch", "finish")
+SPLIT: list[tuple] = []  # (StepRecord, {part: seconds, "cpu": CPU id}) per step() call, in order
 
 
-def _timed(name, fn):
+def _part(name, fn):
+    """fn, its wall time added to the current step's `name` part (the launch also notes the CPU)."""
     def wrapper(*a, **k):
         t = time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            REC.setdefault(name, []).append(time.perf_counter() - t)
+            rec = TIMES.current
+            if rec is not None:
+                if not SPLIT or SPLIT[-1][0] is not rec:
+                    SPLIT.append((rec, dict.fromkeys(PARTS, 0.0)))
+                parts = SPLIT[-1][1]
+                parts[name] += time.perf_counter() - t
+                if name == "launch":
+                    parts["cpu"] = _cpu()
     return wrapper
 
 
@@ -47,34 +59,10 @@ def _cpu() -> int:
 
 
 def patch() -> None:
-    llm_engine.launch_step = _timed("launch", llm_engine.launch_step)
-    llm_engine.LLMEngine._finish_step = _timed("finish", llm_engine.LLMEngine._finish_step)
-    llm_engine.Scheduler.schedule = _timed("schedule", llm_engine.Scheduler.schedule)
-    step = llm_engine.LLMEngine.step
-
-    def timed_step(self):
-        batch1 = len(self.scheduler.running) == 1 and not self.scheduler.waiting
-        marks = {k: len(REC.get(k, [])) for k in PARTS}
-        t, c = time.perf_counter(), time.process_time()
-        out = step(self)
-        REC.setdefault("batch1", []).append(batch1)
-        for k in PARTS:  # this step's share of each part
-            REC.setdefault(f"step_{k}", []).append(sum(REC.get(k, [])[marks[k]:]))
-        REC.setdefault("step", []).append(time.perf_counter() - t)
-        REC.setdefault("step_cpu", []).append(time.process_time() - c)
-        REC.setdefault("cpu_id", []).append(_cpu())
-        return out
-    llm_engine.LLMEngine.step = timed_step
-    replay = cuda_graph.DecodeGraphs.replay
-
-    def timed_replay(self, n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        out = replay(self, n)
-        b.record()
-        REC.setdefault("replay_events", []).append((n, a, b))
-        return out
-    cuda_graph.DecodeGraphs.replay = timed_replay
+    """Time the three parts of a step, which the engine's StepTimes does not split."""
+    llm_engine.launch_step = _part("launch", llm_engine.launch_step)
+    llm_engine.LLMEngine._finish_step = _part("finish", llm_engine.LLMEngine._finish_step)
+    llm_engine.Scheduler.schedule = _part("schedule", llm_engine.Scheduler.schedule)
 
 
 def med_us(xs) -> float | None:
@@ -82,28 +70,30 @@ def med_us(xs) -> float | None:
 
 
 def one_instance(path: str, spec, device: str) -> dict:
-    REC.clear()
+    TIMES.clear()
+    SPLIT.clear()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    result = vlat.measure_latency(path, device, spec, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    result = vlat.measure_latency(path, device, spec, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                                  step_times=TIMES)
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     if device == "cuda":
         torch.cuda.synchronize()
-    gpu = [a.elapsed_time(b) * 1e-3 for n, a, b in REC.get("replay_events", []) if n == 1]
-    # the timed TPOT runs are the last repeats * tpot_output batch-1 steps before the throughput runs;
-    # batch-1 steps are those whose replay had n == 1: take every record, split by step kind below
+    # batch-1 steps (one sampled row): the TPOT runs, their warm-up and the TTFT prefills
+    b1 = [r for r in TIMES.records if r.rows == 1]
+    split = {id(rec): parts for rec, parts in SPLIT}  # SPLIT holds every record: no id is reused
+    parts = [split.get(id(r), {}) for r in b1]
+    gpu = [r.gpu[0].elapsed_time(r.gpu[1]) * 1e-3 for r in b1 if r.gpu is not None]
     out = {"tpot_us": round(result.tpot_s * 1e6, 1), "tpot_runs_us": [round(x * 1e6, 1) for x in result.tpot_runs],
            "throughput_tok_s": result.throughput_tok_s, "seconds": round(time.perf_counter() - t0, 1),
            "vol_ctx_switches": ru1.ru_nvcsw - ru0.ru_nvcsw, "invol_ctx_switches": ru1.ru_nivcsw - ru0.ru_nivcsw,
-           "replay_gpu_us_b1": med_us(gpu), "loadavg": os.getloadavg()}
-    steps, cpus = REC.get("step", []), REC.get("step_cpu", [])
-    # batch-1 decode steps (one running sequence, none waiting): the TPOT runs and their warm-up
-    short = [i for i, b in enumerate(REC.get("batch1", [])) if b]
-    out["step_us_median"] = med_us([steps[i] for i in short])
-    out["step_cpu_us_median"] = med_us([cpus[i] for i in short])
+           "replay_gpu_us_b1": med_us(gpu), "loadavg": os.getloadavg(),  # forward + sampling (CUDA events)
+           "step_us_median": med_us([r.wall_s for r in b1]),
+           "step_cpu_us_median": med_us([r.cpu_s for r in b1]),
+           "host_us_median": med_us([r.wall_s - r.wait_s for r in b1])}  # wall minus the wait for tokens
     for k in PARTS:
-        out[f"{k}_us_median"] = med_us([REC[f"step_{k}"][i] for i in short])
-    out["cpus_used"] = sorted(set(REC.get("cpu_id", [])))[:16]
+        out[f"{k}_us_median"] = med_us([p[k] for p in parts if k in p])
+    out["cpus_used"] = sorted({p["cpu"] for p in parts if "cpu" in p})[:16]
     return out
 
 

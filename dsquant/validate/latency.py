@@ -91,12 +91,16 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> TimedR
 
 
 def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtype | None = None,
-                    max_num_seqs: int = 64, kv_cache_dtype: str = "auto") -> LatencyResult:
+                    max_num_seqs: int = 64, kv_cache_dtype: str = "auto",
+                    step_times: StepTimes | None = None) -> LatencyResult:
+    """`step_times`: record every engine step into it, warm-up included (diagnostics:
+    scripts/engine_variance.py); split_steps' decode_split then comes from its timed steps."""
     longest = max(spec.ttft_input + 1, spec.throughput_input + spec.throughput_output, spec.tpot_output + 9)
     engine = LLMEngine(path, EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                           max_model_len=longest + 16, enable_prefix_caching=False,
                                           max_num_batched_tokens=max(2048, spec.ttft_input),
                                           kv_cache_dtype=kv_cache_dtype))
+    engine.time_steps(step_times)
     vocab = engine.model.config.vocab_size
     _run(engine, _prompts(1, spec.ttft_input, vocab, 99), 1)  # warm-up: compile, graphs, allocator
     _run(engine, _prompts(1, 8, vocab, 98), spec.tpot_output)
@@ -130,30 +134,29 @@ def _settle(engine: LLMEngine, vocab: int, device: str, max_s: float = 15.0) -> 
 
 
 def _timed(engine: LLMEngine, spec: LatencySpec, vocab: int, device: str) -> LatencyResult:
-    times = StepTimes() if spec.split_steps else None
+    outer = engine.step_times  # measure_latency's step_times, recording throughout
+    times = outer if outer is not None or not spec.split_steps else StepTimes()
     engine.time_steps(times)
     split: dict[int, dict[str, float]] = {}
     ttfts, tpots = [], []
     for r in range(spec.repeats):
         ttfts.append(_run(engine, _prompts(1, spec.ttft_input, vocab, r), 1).ttfts()[0])
-        if times is not None:
-            times.clear()  # only the decode runs' steps count
+        mark = len(times.records) if times is not None else 0  # only the decode runs' steps count
         run = _run(engine, _prompts(1, 8, vocab, 100 + r), spec.tpot_output)
         req = run.requests[0]
         tpots.append((req.finished_at - req.token_times[0]) / max(req.output_tokens - 1, 1))
-        if times is not None:
-            split.setdefault(1, []).append(times.split(1))
+        if spec.split_steps:
+            split.setdefault(1, []).append(times.split(1, mark))
     runs: dict[int, list[float]] = {}
     for b in spec.batch_sizes:
         for _ in range(spec.repeats):
-            if times is not None:
-                times.clear()
+            mark = len(times.records) if times is not None else 0
             run = _run(engine, _prompts(b, spec.throughput_input, vocab, 1000 + b), spec.throughput_output)
             last = max(req.finished_at for req in run.requests)
             runs.setdefault(b, []).append(run.output_tokens / (last - run.start))
-            if times is not None:
-                split.setdefault(b, []).append(times.split(b))
-    engine.time_steps(None)
+            if spec.split_steps:
+                split.setdefault(b, []).append(times.split(b, mark))
+    engine.time_steps(outer)
     medians = {b: {k: statistics.median(p[k] for p in parts) for k in parts[0]}
                for b, parts in ((b, [p for p in ps if p]) for b, ps in split.items()) if parts}
     return LatencyResult(device, asdict(spec), statistics.median(ttfts), statistics.median(tpots),

@@ -1,7 +1,8 @@
 """The engine's per-step time split (runtime/engine/step_times.py) and validate's interleaved latency
 rounds (validate/latency.py merge_rounds): each launched step is recorded once with its sampled rows,
 its wall time covers its wait for tokens, the split's host time is wall minus that wait, and recording
-changes no token. On CPU there is no GPU time (NaN)."""
+changes no token. On CPU there is no GPU time (NaN). A StepTimes given to measure_latency records
+every step, warm-up included, and the decode split still counts only the timed decode runs' steps."""
 import math
 
 import pytest
@@ -44,9 +45,10 @@ def test_step_times_record_each_launched_step(tiny_models, async_scheduling):
     got = _generate(engine, prompts, params)
     # both prompts prefill in one step, then 6 decode steps of 2 rows: 7 launched steps, each sampling 2
     assert [r.rows for r in times.records] == [2] * 7
-    assert all(r.wall_s >= r.wait_s >= 0 and r.gpu is None for r in times.records)
+    assert all(r.wall_s >= r.wait_s >= 0 and r.cpu_s > 0 and r.gpu is None for r in times.records)
     split = times.split(2)
     assert split["steps"] == 7 and 0 < split["host_us"] <= split["wall_us"] and math.isnan(split["gpu_us"])
+    assert times.split(2, since=3)["steps"] == 4 and times.split(2, since=7) is None
     assert times.split(1) is None
     engine.time_steps(None)
     assert engine.step_times is None and engine.runner.step_times is None
@@ -78,3 +80,18 @@ def test_measure_latency_splits_the_decode_steps(tiny_models):
     for b, s in r.decode_split.items():
         assert s["steps"] >= 5 and 0 < s["host_us"] <= s["wall_us"] and math.isnan(s["gpu_us"])
     assert not measure_latency(str(path), "cpu", LatencySpec(8, 6, 8, 5, (4,), 1), dtype=torch.float32).decode_split
+
+
+def test_measure_latency_records_every_step_into_a_given_step_times(tiny_models):
+    from dsquant.validate.latency import LatencySpec, measure_latency
+
+    _, path = tiny_models["qwen2"]
+    spec = LatencySpec(ttft_input=8, tpot_output=6, throughput_input=8, throughput_output=5, batch_sizes=(4,),
+                       repeats=2, split_steps=True)
+    times = StepTimes()
+    r = measure_latency(str(path), "cpu", spec, dtype=torch.float32, step_times=times)
+    # each TPOT run samples one row 6 times and each throughput run four rows 5 times: the split counts
+    # those steps only, though `times` also holds the warm-up's and the TTFT runs'
+    assert r.decode_split[1]["steps"] == 6 and r.decode_split[4]["steps"] == 5
+    warm, timed = 1 + 6 + 5, 2 * (1 + 6) + 2 * 5
+    assert len(times.records) >= warm + timed and sum(x.rows == 4 for x in times.records) == 5 + 2 * 5

@@ -177,11 +177,12 @@ class LLMEngine:
         if times is None:
             return self._step()
         times.current = rec = StepRecord(0)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             return self._step()
         finally:
             rec.wall_s = time.perf_counter() - start
+            rec.cpu_s = time.process_time() - cpu
             times.current = None
             if rec.rows:
                 times.records.append(rec)

@@ -6,6 +6,8 @@ one StepRecord:
 - `wall_s`: the wall time of the whole step() call;
 - `wait_s`: the time the host spent in it waiting for sampled tokens (SampledTokens.tolist), so
   `wall_s - wait_s` is the host's own work: scheduling, input preparation, launches, post-processing;
+- `cpu_s`: the process's CPU time over the call (time.process_time, every thread): near `wall_s`
+  when the host works throughout, lower when it waits or its thread is descheduled;
 - `gpu`: two CUDA events around the step's model forward (its CUDA graph replay, or the eager
   forward) and sampling, enqueued back to back, so their elapsed time is the GPU's time for the
   step (None on CPU, where the forward runs inside the host's work).
@@ -24,6 +26,7 @@ class StepRecord:
     rows: int
     wall_s: float = 0.0
     wait_s: float = 0.0
+    cpu_s: float = 0.0
     gpu: tuple | None = None  # (start, end) torch.cuda.Event with timing, recorded by the runner
 
 
@@ -36,11 +39,11 @@ class StepTimes:
         self.records.clear()
         self.current = None
 
-    def split(self, rows: int) -> dict[str, float] | None:
-        """Medians over the steps that sampled `rows` sequences, in microseconds: wall, host (wall
-        minus the wait for tokens) and gpu (NaN on CPU); None when no step had that many rows.
-        Reads the CUDA events, so it synchronizes on them: call it after the timed runs."""
-        recs = [r for r in self.records if r.rows == rows]
+    def split(self, rows: int, since: int = 0) -> dict[str, float] | None:
+        """Medians over the steps from records[since] on that sampled `rows` sequences, in
+        microseconds: wall, host (wall minus the wait for tokens) and gpu (NaN on CPU); None when no
+        such step. Reads the CUDA events, so it synchronizes on them: call it after the timed runs."""
+        recs = [r for r in self.records[since:] if r.rows == rows]
         if not recs:
             return None
         gpu = [r.gpu[0].elapsed_time(r.gpu[1]) * 1e3 for r in recs if r.gpu is not None]
