@@ -80,12 +80,11 @@ def test_fake_int_is_int_grid_bitwise():
 def test_capture_keeps_rows_fed_one_tensor_once_and_equal_to_a_plain_capture():
     """Gate and up (and MLA's q and kv_a) get one shared tensor, equal to what each saw; the other
     Linears keep their own; take_inputs empties the capture."""
-    from pathlib import Path
-
+    from dsquant.assets import bundled_model_path
     from dsquant.calibrate.capture import LayerCapture
     from dsquant.models.loader import load_layer, open_model
 
-    model_dir = Path(__file__).resolve().parents[1] / "dsquant/assets/models/dsq-tiny-v3"
+    model_dir = bundled_model_path("dsq-tiny-v3")
     model, source = open_model(model_dir)
     load_layer(model, source, None, "cpu", torch.float32)
     load_layer(model, source, 1, "cpu", torch.float32)  # an MoE layer
