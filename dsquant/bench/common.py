@@ -7,8 +7,6 @@ import platform
 from dataclasses import asdict, is_dataclass
 from datetime import date
 
-from dsquant.runtime.engine.timing import sync  # noqa: F401 (the timing boundary, shared with the engine's loop)
-
 
 def time_graph_and_eager(fn, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float]:
     """Median microseconds of `fn` as CUDA-graph replays and as eager launches (same inputs)."""

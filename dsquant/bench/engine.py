@@ -28,7 +28,7 @@ from pathlib import Path
 
 import click
 
-from dsquant.bench.common import sync as _sync
+from dsquant.runtime.engine.timing import sync as _sync
 from dsquant.bench.engine_peer import hf_peer
 from dsquant.cli_options import check_device, kv_cache_dtype_option
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 import time
 
-from dsquant.bench.common import sync as _sync
+from dsquant.runtime.engine.timing import sync as _sync
 
 
 def hf_peer(spec) -> list[dict]:

@@ -14,6 +14,7 @@ dsq_prose_choice (multiple choice), dsq_prose_cloze_gen (generate_until), or the
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 import signal
 import subprocess
@@ -46,11 +47,13 @@ def check_lm_eval() -> str:
     """lm_eval's version; a DsquantError saying how to install it when it (or its API extras) is missing."""
     try:
         import lm_eval
-        import aiohttp  # noqa: F401  (local-completions needs these: lm-eval's [api] extra)
-        import tenacity  # noqa: F401
     except ImportError as e:
-        raise DsquantError(f"--lm-eval needs lm-evaluation-harness with its API extras ({e.name} is not "
-                           f"installed): {INSTALL_HINT}") from None
+        missing = e.name
+    else:  # local-completions needs these: lm-eval's [api] extra
+        missing = next((m for m in ("aiohttp", "tenacity") if importlib.util.find_spec(m) is None), None)
+    if missing is not None:
+        raise DsquantError(f"--lm-eval needs lm-evaluation-harness with its API extras ({missing} is not "
+                           f"installed): {INSTALL_HINT}")
     return getattr(lm_eval, "__version__", "unknown")
 
 

@@ -7,6 +7,8 @@ windows as the artifacts; latency is not (these peers do not run in dsquant's en
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 PEERS = {
@@ -26,11 +28,7 @@ class HFLogits:
 
 
 def bitsandbytes_available() -> bool:
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("bitsandbytes") is not None
 
 
 def load_peer(name: str, baseline: str, device: str):

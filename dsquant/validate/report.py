@@ -108,7 +108,7 @@ def _fmt_score(m: dict | None) -> str:
 
 
 def _markdown(rows: list[ArtifactRow], sets: list[str], meta: dict) -> str:
-    out = [f"# dsquant validate report", "",
+    out = ["# dsquant validate report", "",
            f"Baseline `{meta['baseline']}`; device {meta['device_label']}; {meta['date']}.", "",
            f"KV cache of the artifacts: {meta.get('kv_cache_dtype', 'auto')} (the baseline's: its model dtype)."
            + (" A row `NAME [KV ... vs ...]` is the artifact against itself with the model-dtype cache: what the "

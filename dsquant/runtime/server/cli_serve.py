@@ -13,6 +13,7 @@ names when bound to loopback); CORS headers only for --allowed-origins.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -144,12 +145,9 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     """
     api_key = _api_key(api_key)
     opts = pop_engine_options(engine_opts)
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise DsquantError(f"dsquant serve needs {e.name}: pip install 'dsquant[serve]'") from e
+    missing = [m for m in ("fastapi", "prometheus_client", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise DsquantError(f"dsquant serve needs {', '.join(missing)}: pip install 'dsquant[serve]'")
     from dsquant.assets import resolve_model_dir
     from dsquant.runtime.engine.llm_engine import LLMEngine
     from dsquant.runtime.server.app import create_app

@@ -24,10 +24,18 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dsquant.runtime.engine.sequence import SamplingParams
-from dsquant.runtime.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,  # noqa: F401
+from dsquant.runtime.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                               ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatResponseMessage,
                                               ChatTokenLogprob, ChatTopLogprob, CompletionChoice, CompletionLogprobs,
                                               CompletionResponse, Usage)
+
+__all__ = [  # the request bodies and their parsing, defined here; the response bodies, from responses.py
+    "StreamOptions", "CompletionRequest", "ContentPart", "ChatMessage", "ChatCompletionRequest",
+    "parse_request", "describe", "error_body", "INT64_MIN", "INT64_MAX", "MAX_TEMPERATURE", "MAX_TOP_K",
+    "MAX_N", "MAX_PROMPTS", "MAX_PENALTY", "MAX_BIAS", "MAX_LOGPROBS",
+    "ChatChoice", "ChatChunkChoice", "ChatCompletionChunk", "ChatCompletionResponse", "ChatDelta", "ChatLogprobs",
+    "ChatResponseMessage", "ChatTokenLogprob", "ChatTopLogprob", "CompletionChoice", "CompletionLogprobs",
+    "CompletionResponse", "Usage"]
 
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)

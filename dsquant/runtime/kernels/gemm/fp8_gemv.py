@@ -66,7 +66,6 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counters_p
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     offs_m = tl.arange(0, BLOCK_M)  # [BM]
     offs_kk = tl.arange(0, BLOCK_K)  # [BK]
-    n_mask = offs_n < N
     # rows past N read row N - 1 (never stored): the weight loads need no row mask
     w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn  # [BN, 1]
     ws_rows = ws_ptr + (tl.minimum(offs_n, N - 1) // BLOCK_K) * stride_wsn  # [BN]

@@ -120,7 +120,7 @@ def repack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
 
 def dequantize_w4a16(w: W4A16Weights, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Kernel layout -> dense [N, K] in the kernel's K order (apply x[:, perm] before using it)."""
-    n, k = w.out_features, w.in_features
+    k = w.in_features
     q = unpack_gptq_qweight(w.qweight.t().contiguous()).t()  # [N, K] codes
     g = torch.arange(k, device=q.device) // w.group_size  # [K]
     z = w.zeros.to(torch.float32).t()[:, g]  # [N, K]
