@@ -4,8 +4,8 @@
 
 Runs on CPU: a tiny random model with DeepSeek-V2-Lite's structure (MLA without q LoRA, first
 layer dense, 64 routed experts top-6 + 2 shared; --v3: V3's sigmoid / noaux_tc routing, q LoRA,
-256 experts top-8) is loaded through LLMEngine(kernels=True) in fp32, the fused ops of the CUDA
-path are switched on (layers/fused.py), one prompt is prefilled and the next decode step is
+256 experts top-8) is loaded through LLMEngine(kernels=True) in fp32, which builds it of the CUDA
+path's fused ops (layers/fused.py), one prompt is prefilled and the next decode step is
 counted. Every aten op that would be a CUDA kernel (views, empty allocations and other
 metadata-only ops excluded) and every Triton launch (ops inside a launch are the interpreter's,
 not counted) is charged to the innermost module that ran it, so the per-layer table says which
