@@ -41,9 +41,20 @@ def _w_mean(members: list[Member]) -> torch.Tensor:
     return torch.cat(parts).mean(0)
 
 
+CONCAT_BYTES = 1 << 28  # up to this, x_mean concatenates the rows as it always has
+
+
 def _x_mean(members: list[Member]) -> torch.Tensor:
-    """Mean |x| [K] over all members' captured rows (as if concatenated), one member at a time:
-    an MoE layer's gate/up group holds every expert's rows, which a concatenation would copy."""
+    """Mean |x| [K] over all members' captured rows (as if concatenated).
+
+    Up to CONCAT_BYTES of rows, concatenated; beyond, one member at a time (an MoE layer's gate/up
+    group holds every expert's rows: a concatenation and its abs took 3.8 GB on the V2-Lite shape).
+    The two differ in the last bit of a float sum, and that is enough to move AWQ's choices: on
+    dsq-tiny-v3 eval_prose 69.608 (concatenated) against 70.004 (streamed), RTN 69.964
+    (BENCHMARKS.md, 2026-12-02). Small groups keep the concatenation, so their results stay put."""
+    xs = [m.x for m in members if m.x.numel()]
+    if sum(x.numel() for x in xs) * 4 <= CONCAT_BYTES:
+        return torch.cat(xs).abs().mean(0)
     total, rows, seen = None, 0, {}
     for m in members:
         if not m.x.numel():

@@ -121,3 +121,13 @@ def test_stacked_candidates_equal_each_members_own():
         assert list(got) == list(want)
         for name in want:
             assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], want[name]), name
+
+
+def test_x_mean_streamed_over_members_matches_the_concatenation(monkeypatch):
+    """Beyond CONCAT_BYTES the mean |x| runs member by member (shared inputs counted per member)."""
+    ws, xs = _clip_cases(6, 8, 64, seed=7)
+    spec = SchemeSpec("awq", bits=4, group_size=32)
+    members = [awq.Member(f"m{i}", w, spec, x) for i, (w, x) in enumerate(zip(ws, xs))]
+    want = awq._x_mean(members)
+    monkeypatch.setattr(awq, "CONCAT_BYTES", 0)
+    torch.testing.assert_close(awq._x_mean(members), want, rtol=1e-6, atol=0)
