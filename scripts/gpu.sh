@@ -5,7 +5,8 @@
 # client) and, for `old`, .old (see below).
 # Usage: [ENV=...] scripts/gpu.sh STEP...
 #   tests:      new (the -m gpu tests of $TESTS), old (the same on the dsquant files kept under .old/,
-#               swapped in and back), gputests (every -m gpu test), restests (tests/kernels and
+#               swapped in and back), gputests (every -m gpu test; too many for one
+#               10-minute run: gpukernels + gpurest + trained split it), restests (tests/kernels and
 #               tests/runtime without -m gpu, at full size), trained (the trained-model GPU accuracy test)
 #   main job:   demo (dsquant demo --device cuda, then a CPU validate of the same artifacts)
 #   kernels:    gemm, gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe, attention,
@@ -57,6 +58,11 @@ for step in "$@"; do
            --timeout 180 -rf 2>&1 | tail -${TAIL:-60} > "$OUT/tests-old.txt"; swap ;;
     gputests) timeout "${GPU_TESTS_S:-300}" python3 -m pytest -q -m gpu $XD -p no:cacheprovider tests/ \
            --timeout 200 2>&1 | tail -40 > "$OUT/gputests.txt" ;;
+    gpukernels) timeout "${GPU_TESTS_S:-300}" python3 -m pytest -q -m gpu $XD -p no:cacheprovider tests/kernels \
+           --timeout 200 2>&1 | tail -40 > "$OUT/gpukernels.txt" ;;  # gputests in two halves that each fit
+    gpurest) timeout "${GPU_TESTS_S:-300}" python3 -m pytest -q -m gpu $XD -p no:cacheprovider tests/ \
+           --ignore=tests/kernels --ignore=tests/runtime/test_gpu_trained_accuracy.py --timeout 200 2>&1 \
+           | tail -40 > "$OUT/gpurest.txt" ;;  # the trained-model test is its own step (trained)
     restests) timeout "${REST_S:-110}" python3 -m pytest -q -m "not gpu" $XD -p no:cacheprovider tests/kernels \
            tests/runtime --timeout 100 2>&1 | tail -25 > "$OUT/restests.txt" ;;
     trained) timeout "${TRAINED_S:-540}" python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_trained_accuracy.py \
@@ -129,7 +135,7 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
   esac
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
-for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
+for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/gpukernels.txt "$OUT"/gpurest.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
 for f in variance variancepin kvfp8 gemm moe engine enginefull serve long attention v3; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null

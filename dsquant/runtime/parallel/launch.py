@@ -26,7 +26,7 @@ from dsquant.config import load_config
 from dsquant.errors import DsquantError
 from dsquant.runtime.parallel.model import check_tensor_parallel
 from dsquant.runtime.parallel.state import ParallelState, destroy_parallel, init_parallel
-from dsquant.runtime.parallel.worker import STOP, DriverRunner, WorkerSpec, send, worker_main
+from dsquant.runtime.parallel.worker import STOP, DriverRunner, WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 1800.0  # loading a large shard from disk
