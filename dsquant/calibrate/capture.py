@@ -25,10 +25,6 @@ class Captured:
     hessians: dict[str, HessianAccumulator] = field(default_factory=dict)
     moe_inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
-    def inputs(self, name: str) -> torch.Tensor:
-        parts = self.rows.get(name) or []
-        return torch.cat(parts) if parts else torch.empty(0)
-
     def take_inputs(self, names, device) -> dict[str, torch.Tensor]:
         """Each Linear's kept rows as one tensor [T, K] on `device`, moved out of `rows` (each part
         is freed once no other Linear holds it). Linears whose parts are the very same tensors (fed
