@@ -78,14 +78,16 @@ class GQAAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, prefix: str, backends: Backends, backend):
         super().__init__()
-        d = cfg.dense_head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        d, h, h_kv = cfg.dense_head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        # this process's heads (all of them, but one rank's under tensor parallelism)
+        self.num_heads, self.num_kv_heads, self.head_dim = len(backends.local(h)), len(backends.local(h_kv)), d
         self.scaling = d ** -0.5
         bias = cfg.attention_bias
-        self.q_proj = backends.linear(f"{prefix}.q_proj", cfg.hidden_size, self.num_heads * d, bias)
-        self.k_proj = backends.linear(f"{prefix}.k_proj", cfg.hidden_size, self.num_kv_heads * d, bias)
-        self.v_proj = backends.linear(f"{prefix}.v_proj", cfg.hidden_size, self.num_kv_heads * d, bias)
-        self.o_proj = backends.linear(f"{prefix}.o_proj", self.num_heads * d, cfg.hidden_size, False)
+        # the checkpoint's shapes; backends.linear returns this rank's shard of each
+        self.q_proj = backends.linear(f"{prefix}.q_proj", cfg.hidden_size, h * d, bias)
+        self.k_proj = backends.linear(f"{prefix}.k_proj", cfg.hidden_size, h_kv * d, bias)
+        self.v_proj = backends.linear(f"{prefix}.v_proj", cfg.hidden_size, h_kv * d, bias)
+        self.o_proj = backends.linear(f"{prefix}.o_proj", h * d, cfg.hidden_size, False)
         self.backend = backend
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
@@ -104,13 +106,13 @@ class MLAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, prefix: str, backends: Backends, backend):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
+        self.num_heads = len(backends.local(cfg.num_attention_heads))  # this process's heads
         self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.v_head_dim = cfg.v_head_dim
         self.rope_interleave = cfg.rope_interleave
         self.scaling = cfg.qk_head_dim ** -0.5 * softmax_scale_factor(cfg.rope)
-        hid, h, bias = cfg.hidden_size, self.num_heads, cfg.attention_bias
+        hid, h, bias = cfg.hidden_size, cfg.num_attention_heads, cfg.attention_bias  # checkpoint shapes
         if self.q_lora_rank is None:
             self.q_proj = backends.linear(f"{prefix}.q_proj", hid, h * cfg.qk_head_dim, False)
         else:

@@ -10,6 +10,8 @@ decided by `Backends` (models/layers.py) at construction.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -18,6 +20,18 @@ from dsquant.models.attention import EagerAttention, EagerContext, GQAAttention,
 from dsquant.models.layers import Backends
 from dsquant.models.moe import MoE, LoopMoE
 from dsquant.models.rope import inv_freq_and_attention_factor
+
+
+def rank_config(cfg: ModelConfig, local) -> ModelConfig:
+    """cfg as this process sees it (what sizes its KV cache): its attention heads, and GQA's kv
+    heads (head_dim pinned); cfg itself when the process holds every head."""
+    heads = len(local(cfg.num_attention_heads))
+    if heads == cfg.num_attention_heads:
+        return cfg
+    view = dict(num_attention_heads=heads)
+    if not cfg.is_deepseek:
+        view.update(num_key_value_heads=len(local(cfg.num_key_value_heads)), head_dim=cfg.dense_head_dim)
+    return dataclasses.replace(cfg, **view)
 
 
 class DecoderLayer(nn.Module):
@@ -50,9 +64,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backends: Backends):
         super().__init__()
-        # given its (meta) weight, Embedding skips reset_parameters: a normal_ on meta imports torch._dynamo (3 s)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta"))
+        self.embed_tokens = backends.embedding(cfg.vocab_size, cfg.hidden_size)
         layer_cls = backends.decoder_layer_cls or DecoderLayer
         self.layers = nn.ModuleList(layer_cls(cfg, i, backends) for i in range(cfg.num_hidden_layers))
         self.norm = backends.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
@@ -63,8 +75,8 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backends: Backends | None = None):
         super().__init__()
-        self.config = cfg
         self.backends = backends or Backends()
+        self.config = rank_config(cfg, self.backends.local)
         self.model = DecoderStack(cfg, self.backends)
         self.lm_head = self.backends.linear("lm_head", cfg.hidden_size, cfg.vocab_size, False)
         rot = cfg.qk_rope_head_dim if cfg.is_deepseek else cfg.dense_head_dim

@@ -26,6 +26,12 @@ def dense_linear(prefix: str, in_features: int, out_features: int, bias: bool) -
     return nn.Linear(in_features, out_features, bias=bias, device="meta")
 
 
+def meta_embedding(vocab_size: int, hidden_size: int) -> nn.Module:
+    """The token embedding, weight [vocab, hidden] on meta. Given its weight, Embedding skips
+    reset_parameters: a normal_ on meta imports torch._dynamo (3 s)."""
+    return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size, device="meta"))
+
+
 def unchanged(x: torch.Tensor) -> torch.Tensor:
     """One process holds the whole model: its partial sums and logits are already complete."""
     return x
@@ -115,6 +121,12 @@ class Backends:
     moe_cls: type[nn.Module] | None = None  # None: models.moe.MoE
     mla_cls: type[nn.Module] | None = None  # None: models.attention.MLAttention
     decoder_layer_cls: type[nn.Module] | None = None  # None: models.causal_lm.DecoderLayer
+    # Tensor parallelism builds each rank's shard directly (runtime/parallel/model.py): `local(n)` is
+    # this process's range of n attention heads, GQA kv heads or routed experts (the model builds
+    # only those); `linear` is then given the checkpoint's full shapes and returns this rank's
+    # shard, and `embedding(vocab, hidden)` this rank's rows. One process: everything.
+    local: Callable[[int], range] = range
+    embedding: Callable[[int, int], nn.Module] = meta_embedding
     # attention / MLP outputs [..., hidden] -> their sum over tensor-parallel ranks (in place)
     all_reduce: Callable[[torch.Tensor], torch.Tensor] = unchanged
     # lm_head's output [..., vocab part] -> the whole vocabulary's logits (rank 0 under tensor parallelism)

@@ -73,9 +73,10 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.gate = (backends.router_cls or Router)(cfg)
+        here = backends.local(cfg.n_routed_experts)  # tensor parallel: None for other ranks' experts
         self.experts = nn.ModuleList(
             backends.mlp_cls(f"{prefix}.experts.{i}", cfg.hidden_size, cfg.moe_intermediate_size, backends)
-            for i in range(cfg.n_routed_experts))
+            if i in here else None for i in range(cfg.n_routed_experts))
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = backends.mlp_cls(f"{prefix}.shared_experts", cfg.hidden_size,

@@ -165,13 +165,13 @@ def load_runtime_model(path: str | Path, backends: Backends, dtype: torch.dtype 
     factory = LinearFactory(cfg.quantization_config, reader, kernels=kernels, source=cfg.quantization_source)
     backends = dataclasses.replace(backends, linear=factory)
     sharded = parallel is not None and parallel.world_size > 1
-    if sharded:
-        from dsquant.runtime.parallel.model import shard_model, tensor_parallel_backends
+    if sharded:  # the model is built as this rank's shard, read through the plan's reader
+        from dsquant.runtime.parallel.model import tensor_parallel_backends
 
-        backends = tensor_parallel_backends(backends, cfg, parallel)
+        backends, plan = tensor_parallel_backends(backends, cfg, reader, parallel)
     model = CausalLM(cfg, backends)
     if sharded:
-        reader = shard_model(model, reader, parallel)
+        reader = plan.reader()
     source = WeightSource(reader, cfg)
     dtype = dtype or default_dtype(cfg)
     with torch.no_grad():

@@ -1,20 +1,25 @@
-"""Turn a meta-device CausalLM into this rank's shard, and a reader that serves its tensors.
+"""Build this rank's shard of a CausalLM directly, and a reader that serves its tensors.
 
-The model is built with `tensor_parallel_backends`: each decoder layer all-reduces the output of
-its self_attn and mlp (partial sums on every rank), and CausalLM.logits gathers lm_head's output
-(this rank's part of the vocabulary) to rank 0. `shard_model` runs after the model is built and
-before it loads (runtime/loader.py):
-  embed_tokens  VocabParallelEmbedding: rows [vocab part]; ids elsewhere give zeros; all-reduce
-  attention     heads [h0, h1): GQA q_proj (and k/v_proj over kv heads) column-parallel, o_proj
-                row-parallel; MLA q_proj / q_b_proj and kv_b_proj column-parallel by heads
-                (rows are head-major: [H, nope + rope] and [H, nope + v]), o_proj row-parallel,
-                q_a_proj / kv_a_proj_with_mqa replicated (each rank caches the full latent)
-  dense MLP     gate / up column-parallel, down row-parallel
-  MoE           router replicated; experts [e0, e1) kept (moe.ExpertParallel), others None;
-                shared experts sharded like a dense MLP (their partial sum joins the routed one)
-  lm_head       column-parallel over the vocabulary; logits gathered to rank 0
-`model.config` becomes the rank's view (heads per rank), which sizes the KV cache (GQA: local kv
-heads; MLA: unchanged).
+`tensor_parallel_backends` gives the Backends a rank builds its model with (runtime/loader.py), so
+the model is rank-local from construction and nothing changes it afterwards:
+  local         this rank's range of attention heads, GQA kv heads and routed experts; the model
+                builds only those (other ranks' experts are None in MoE.experts, so checkpoint
+                names keep their global expert ids) and `model.config` is the rank's view (heads
+                per rank, which sizes the KV cache: GQA local kv heads; MLA unchanged)
+  linear        given the checkpoint's full shapes, returns this rank's shard (parallel/linear.py):
+    attention   GQA q_proj (and k/v_proj over kv heads) column-parallel, o_proj row-parallel; MLA
+                q_proj / q_b_proj and kv_b_proj column-parallel by heads (rows are head-major:
+                [H, nope + rope] and [H, nope + v]), o_proj row-parallel, q_a_proj /
+                kv_a_proj_with_mqa replicated (each rank caches the full latent)
+    dense MLP   gate / up column-parallel, down row-parallel; shared experts the same (their
+                partial sum joins the routed one); routed experts and the router replicated
+    lm_head     column-parallel over the vocabulary
+  embedding     VocabParallelEmbedding: rows [vocab part]; ids elsewhere give zeros; all-reduce
+  moe           moe.ExpertParallel over the backend: each rank sums its own experts' outputs
+  all_reduce    each decoder layer sums its attention and MLP partial sums over the ranks
+  gather_logits lm_head's [..., vocab / N] gathered to rank 0
+The shard plan (`TensorParallelPlan`) records, as each linear is built, the rules that cut its
+checkpoint tensors; `plan.reader()` is the CheckpointReader the loader then reads them through.
 """
 from __future__ import annotations
 
@@ -26,10 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsquant.errors import ConfigError
-from dsquant.models.causal_lm import CausalLM
 from dsquant.models.layers import Backends
 from dsquant.models.loader import WeightSource
-from dsquant.models.moe import MoE
+from dsquant.models.moe import LoopMoE
 from dsquant.runtime.parallel.linear import COLUMN, ROW, Part, Rule, shard_linear
 from dsquant.runtime.parallel.moe import ExpertParallel
 from dsquant.runtime.parallel.state import ParallelState, all_reduce, gather_last_dim
@@ -99,93 +103,76 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out.masked_fill(~here[..., None], 0), self.state)
 
 
-class _Plan:
-    """Rules and hidden keys gathered while sharding one model."""
+COLUMN_PARALLEL = ("q_proj", "q_b_proj", "kv_b_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+ROW_PARALLEL = ("o_proj", "down_proj")
 
-    def __init__(self, model: CausalLM, reader, state: ParallelState):
-        self.model, self.reader, self.state = model, reader, state
+
+def parallel_kind(prefix: str) -> str | None:
+    """COLUMN, ROW or None (replicated) for the linear named `prefix` ("model.layers.3.mlp.down_proj")."""
+    if ".mlp.experts." in prefix:
+        return None  # routed experts are split across ranks whole (expert parallelism)
+    name = prefix.rpartition(".")[2]
+    return COLUMN if name in COLUMN_PARALLEL else ROW if name in ROW_PARALLEL else None
+
+
+class TensorParallelPlan:
+    """This rank's shard, gathered while the model is built: each linear's rules (checkpoint key
+    -> this rank's tensor), and the keys of other ranks' experts, which this rank never reads."""
+
+    def __init__(self, cfg, reader, state: ParallelState, linear):
+        self.cfg, self.inner, self.state, self.full_linear = cfg, reader, state, linear
         self.rules: dict[str, Rule] = {}
         self.hidden: set[str] = set()
-        full = WeightSource(reader, model.config)
+        full = WeightSource(reader, cfg)
         self.dense_weight = lambda key: full.dense_weight(key, torch.float32)
+        mine = self.local(cfg.n_routed_experts) if cfg.n_routed_experts else range(0)
+        for i in range(cfg.num_hidden_layers):
+            if cfg.is_moe_layer(i):
+                prefix = f"model.layers.{i}.mlp.experts."
+                self.hidden |= {k for k in reader.layer_keys(i) if k.startswith(prefix)
+                                and int(k[len(prefix):].split(".", 1)[0]) not in mine}
 
-    def part(self, total: int) -> Part:
-        return Part.of(total, self.state.rank, self.state.world_size)
+    def local(self, total: int) -> range:
+        """This rank's range of `total` heads or experts (Backends.local)."""
+        part = Part.of(total, self.state.rank, self.state.world_size)
+        return range(part.start, part.stop)
 
-    def parts(self, total: int, unit: int = 1) -> list[Part]:
-        """Every rank's range of `total` units, in elements (unit: elements per head)."""
-        return [Part(q.start * unit, q.stop * unit) for q in
-                (Part.of(total, r, self.state.world_size) for r in range(self.state.world_size))]
+    def parts(self, total: int) -> list[Part]:
+        """Every rank's range of `total` elements (divisible by the heads: check_tensor_parallel)."""
+        return [Part.of(total, r, self.state.world_size) for r in range(self.state.world_size)]
 
-    def linear(self, layer, kind: str, parts: list[Part]) -> None:
-        rules, hidden = shard_linear(layer, kind, parts, self.state, self.reader, self.dense_weight)
-        self.rules.update(rules)
-        self.hidden |= hidden
+    def linear(self, prefix: str, in_features: int, out_features: int, bias: bool):
+        """Backends.linear: the linear `prefix` of the checkpoint's shape, as this rank's shard."""
+        layer = self.full_linear(prefix, in_features, out_features, bias)
+        kind = parallel_kind(prefix)
+        if kind is not None:
+            parts = self.parts(out_features if kind == COLUMN else in_features)
+            rules, hidden = shard_linear(layer, kind, parts, self.state, self.inner, self.dense_weight)
+            self.rules.update(rules)
+            self.hidden |= hidden
+        return layer
 
-    def mlp(self, mlp) -> None:
-        inter = self.parts(mlp.gate_proj.out_features)
-        self.linear(mlp.gate_proj, COLUMN, inter)
-        self.linear(mlp.up_proj, COLUMN, inter)
-        self.linear(mlp.down_proj, ROW, inter)
+    def embedding(self, vocab_size: int, hidden_size: int) -> VocabParallelEmbedding:
+        """Backends.embedding: this rank's rows of the vocabulary."""
+        part = Part.of(vocab_size, self.state.rank, self.state.world_size)
+        key = "model.embed_tokens.weight"
+        self.rules[key] = lambda: self.dense_weight(key)[part.slice].contiguous()
+        return VocabParallelEmbedding(part, hidden_size, self.state)
 
-    def attention(self, attn, cfg) -> None:
-        h = cfg.num_attention_heads
-        attn.num_heads = self.part(h).size
-        if cfg.is_deepseek:
-            q_up = attn.q_proj if cfg.q_lora_rank is None else attn.q_b_proj
-            self.linear(q_up, COLUMN, self.parts(h, cfg.qk_head_dim))
-            self.linear(attn.kv_b_proj, COLUMN, self.parts(h, cfg.qk_nope_head_dim + cfg.v_head_dim))
-            self.linear(attn.o_proj, ROW, self.parts(h, cfg.v_head_dim))
-            return
-        d, h_kv = attn.head_dim, cfg.num_key_value_heads
-        attn.num_kv_heads = self.part(h_kv).size
-        self.linear(attn.q_proj, COLUMN, self.parts(h, d))
-        for proj in (attn.k_proj, attn.v_proj):
-            self.linear(proj, COLUMN, self.parts(h_kv, d))
-        self.linear(attn.o_proj, ROW, self.parts(h, d))
-
-    def moe(self, moe: MoE, layer_idx: int) -> None:
-        experts = self.part(len(moe.experts))
-        for e in range(len(moe.experts)):
-            if not experts.start <= e < experts.stop:
-                moe.experts[e] = None
-                prefix = f"model.layers.{layer_idx}.mlp.experts.{e}."
-                self.hidden |= {k for k in self.reader.layer_keys(layer_idx) if k.startswith(prefix)}
-        moe.backend = ExpertParallel(moe.backend, experts.start, experts.stop)
-        if moe.shared_experts is not None:
-            self.mlp(moe.shared_experts)
+    def reader(self) -> ShardedReader:
+        """The reader this rank loads from, once the model is built."""
+        return ShardedReader(self.inner, self.rules, self.hidden)
 
 
-def tensor_parallel_backends(backends: Backends, cfg, state: ParallelState) -> Backends:
-    """`backends` whose model sums the attention / MLP partial sums over the ranks and gathers the
-    vocabulary-parallel logits (lm_head's [..., vocab / N] on each rank) to rank 0."""
-    width = -(-cfg.vocab_size // state.world_size)  # columns per rank (the last may hold fewer)
-    return dataclasses.replace(backends, all_reduce=partial(all_reduce, state=state),
-                               gather_logits=partial(gather_last_dim, state=state, width=width,
-                                                     total=cfg.vocab_size))
-
-
-def shard_model(model: CausalLM, reader, state: ParallelState) -> ShardedReader:
-    """Shard `model` (still on meta, built with tensor_parallel_backends) in place for state.rank;
-    return the reader to load it from."""
-    cfg = model.config
+def tensor_parallel_backends(backends: Backends, cfg, reader, state: ParallelState) -> tuple[Backends, TensorParallelPlan]:
+    """The Backends that build this rank's shard of the model (module docstring), and the plan
+    whose reader() it loads from once built. `backends.linear` is the full-shape factory."""
     check_tensor_parallel(cfg, state.world_size, state.device)
-    plan = _Plan(model, reader, state)
-    for i, layer in enumerate(model.model.layers):
-        plan.attention(layer.self_attn, cfg)
-        if isinstance(layer.mlp, MoE):
-            plan.moe(layer.mlp, i)
-        else:
-            plan.mlp(layer.mlp)
-
-    vocab = plan.part(cfg.vocab_size)
-    model.model.embed_tokens = VocabParallelEmbedding(vocab, cfg.hidden_size, state)
-    embed = "model.embed_tokens.weight"
-    plan.rules[embed] = lambda: plan.dense_weight(embed)[vocab.slice].contiguous()
-    plan.linear(model.lm_head, COLUMN, plan.parts(cfg.vocab_size))
-
-    local = dict(num_attention_heads=cfg.num_attention_heads // state.world_size)
-    if not cfg.is_deepseek:
-        local.update(num_key_value_heads=cfg.num_key_value_heads // state.world_size, head_dim=cfg.dense_head_dim)
-    model.config = dataclasses.replace(cfg, **local)
-    return ShardedReader(reader, plan.rules, plan.hidden)
+    plan = TensorParallelPlan(cfg, reader, state, backends.linear)
+    experts = plan.local(cfg.n_routed_experts or 1)
+    moe = ExpertParallel(backends.moe or LoopMoE(), experts.start, experts.stop)
+    width = -(-cfg.vocab_size // state.world_size)  # columns per rank (the last may hold fewer)
+    return dataclasses.replace(
+        backends, linear=plan.linear, embedding=plan.embedding, local=plan.local, moe=moe,
+        all_reduce=partial(all_reduce, state=state),
+        gather_logits=partial(gather_last_dim, state=state, width=width, total=cfg.vocab_size)), plan
