@@ -301,7 +301,7 @@ def test_graph_path_fills_placeholders_in_the_static_buffers(tiny_models):
                                block_tables=self.block_tables[:n], seq_lens=self.seq_lens[:n],
                                cu_seqlens_q=self.cu_seqlens_q[:n + 1], max_seq_len=max(lens), is_decode=True,
                                q_lens_host=[1] * n, seq_lens_host=lens)
-            return r._forward(self.input_ids[:n], self.positions[:n], ctx, self.rows[:n])
+            return r.forward(self.input_ids[:n], self.positions[:n], ctx, self.rows[:n])
 
     _, path = tiny_models["llama"]
     prompts = random_prompts(7, [9, 14, 3, 30, 1], seed=1)

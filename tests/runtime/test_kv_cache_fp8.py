@@ -44,9 +44,9 @@ def paged_logits(eng, tokens, prefill, chunk):
     out = []
     for s, e in steps:
         pos = torch.arange(s, e, device=r.config.device)
-        ctx = r._context(pos, pos.clone(), table, [e - s], [e])
+        ctx = r.context(pos, pos.clone(), table, [e - s], [e])
         ids = torch.tensor(tokens[s:e], device=r.config.device)
-        out.append(r._forward(ids, pos, ctx, torch.arange(e - s, device=r.config.device)).float().cpu())
+        out.append(r.forward(ids, pos, ctx, torch.arange(e - s, device=r.config.device)).float().cpu())
     return torch.cat(out)
 
 

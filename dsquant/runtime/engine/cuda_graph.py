@@ -59,7 +59,7 @@ class DecodeGraphs:
                            block_tables=self.block_tables[:n], seq_lens=self.seq_lens[:n],
                            cu_seqlens_q=self.cu_seqlens_q[:n + 1], max_q_len=1,
                            max_seq_len=r.config.max_model_len, is_decode=True)
-        return r._forward(self.input_ids[:n], self.positions[:n], ctx, self.rows[:n])
+        return r.forward(self.input_ids[:n], self.positions[:n], ctx, self.rows[:n])
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -96,8 +96,8 @@ class ModelRunner:
         ids = torch.zeros(tokens, dtype=torch.int64, device=c.device)
         pos = torch.arange(tokens, device=c.device)
         bt = torch.arange(blocks, dtype=torch.int32, device=c.device)[None]
-        ctx = self._context(pos, pos.clone(), bt, [tokens], [tokens])
-        self._forward(ids, pos, ctx, torch.tensor([tokens - 1], device=c.device))
+        ctx = self.context(pos, pos.clone(), bt, [tokens], [tokens])
+        self.forward(ids, pos, ctx, torch.tensor([tokens - 1], device=c.device))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         self.kv_caches = []
@@ -126,8 +126,10 @@ class ModelRunner:
             self.graphs = None
 
     # ------------------------------------------------------------------ one step
-    def _context(self, positions, slot_mapping, block_tables, q_lens, seq_lens) -> PagedContext:
-        """The context from host lists q_lens / seq_lens (torch.tensor each: off the step path)."""
+    def context(self, positions, slot_mapping, block_tables, q_lens, seq_lens) -> PagedContext:
+        """The attention context of one forward: positions [T], slot_mapping [T], block_tables
+        [B, W] on the device, host lists q_lens / seq_lens (torch.tensor each: off the step path).
+        Public for the tensor-parallel workers, which replay rank 0's step (parallel/worker.py)."""
         device = self.config.device
         cu = _cu_seqlens(q_lens)
         return self._paged_context(positions, slot_mapping, block_tables,
@@ -205,7 +207,9 @@ class ModelRunner:
                                   q_lens, seq_lens)
         return StepInputs(ids_t, pos_t, ctx, rows_t, sampling, spans, SamplingTensors.build(sampling, vocab, samp))
 
-    def _forward(self, input_ids, positions, ctx, logits_indices) -> torch.Tensor:
+    def forward(self, input_ids, positions, ctx, logits_indices) -> torch.Tensor:
+        """input_ids, positions [T] (the batch's tokens, flattened), ctx from `context` -> the logits
+        [S, vocab] of rows logits_indices [S]; the CUDA graphs capture this call (cuda_graph.py)."""
         hidden = self.model.embed(input_ids[None])  # [1, T, hidden]
         for layer in self.model.model.layers:
             hidden = layer(hidden, ctx)
@@ -231,7 +235,7 @@ class ModelRunner:
         if inputs.graph:
             logits = self.graphs.replay(inputs.input_ids.shape[0])
         else:
-            logits = self._forward(inputs.input_ids, inputs.positions, inputs.ctx, inputs.logits_indices)
+            logits = self.forward(inputs.input_ids, inputs.positions, inputs.ctx, inputs.logits_indices)
         n_sample = len(inputs.sampling_seqs)
         if inputs.prompt_spans:
             self._record_prompt_logprobs(inputs, logits[n_sample:])

@@ -4,7 +4,7 @@ Every call that runs collectives on rank 0 (a step's forward, the CUDA memory pr
 announced on the control group, so all ranks enter the same collectives in the same order:
   header  int64 [4]: command, payload length, argument, 0
   STEP    payload int64: [T, B, W, S, input_ids T, positions T, slot_mapping T, q_lens B,
-          seq_lens B, block_tables B*W, logits_indices S]; every rank runs ModelRunner._forward
+          seq_lens B, block_tables B*W, logits_indices S]; every rank runs ModelRunner.forward
           (rank 0 samples from the gathered logits, workers drop theirs)
   ALLOC   argument = num_blocks: allocate the KV cache
   PROFILE argument = gpu_memory_utilization * 1e6: profile, then agree on the minimum num_blocks
@@ -51,9 +51,9 @@ def run_packed_step(runner: ModelRunner, payload: torch.Tensor) -> None:
     ids, pos, slots, q_lens, seq_lens, table, rows = torch.split(payload[4:], sizes)
     dev = runner.config.device
     pos = pos.to(dev)
-    ctx = runner._context(pos, slots.to(dev), table.view(b, w).to(torch.int32).to(dev), q_lens.tolist(),
-                          seq_lens.tolist())
-    runner._forward(ids.to(dev), pos, ctx, rows.to(dev))
+    ctx = runner.context(pos, slots.to(dev), table.view(b, w).to(torch.int32).to(dev), q_lens.tolist(),
+                         seq_lens.tolist())
+    runner.forward(ids.to(dev), pos, ctx, rows.to(dev))
 
 
 class DriverRunner(ModelRunner):
