@@ -3,7 +3,7 @@
 PYTHONPATH=. python scripts/host_overhead.py [--batch 1 8] [--steps 200] [--vocab 102400]
 
 Builds the engine on a V2-Lite-shaped config shrunk to one tiny layer (vocab kept), then swaps
-ModelRunner._forward for a stub that returns fixed random bf16 logits, so a step's time is the
+ModelRunner.forward for a stub that returns fixed random bf16 logits, so a step's time is the
 engine's own host work: scheduler, block manager, runner.prepare, graph-less dispatch, sampling
 setup, detokenizer. Sampling itself (argmax / softmax over the vocabulary) still runs, on the CPU,
 where on a GPU it would be device work; `--vocab 256` shrinks it out of the way. Prints the median
@@ -31,14 +31,14 @@ TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num
 
 
 def stub_forward(runner, vocab: int, seed: int = 0):
-    """Replace runner._forward: logits [S, vocab] bf16, fixed per row count (no model work)."""
+    """Replace runner.forward: logits [S, vocab] bf16, fixed per row count (no model work)."""
     g = torch.Generator().manual_seed(seed)
     table = torch.randn(256, vocab, generator=g).to(torch.bfloat16)  # [256, V]
 
     def forward(input_ids, positions, ctx, logits_indices):
         return table[:logits_indices.shape[0]]  # [S, V]
 
-    runner._forward = forward
+    runner.forward = forward
 
 
 class CountOps(TorchDispatchMode):
