@@ -21,12 +21,18 @@ from dsquant.calibrate.recipe import AWQOptions, SchemeSpec
 @dataclass
 class Member:
     """One Linear of a scaling group: its weight [N, K] (the layer's dtype: bf16 on a GPU, read in
-    fp32 one member at a time), scheme and captured inputs [T, K] fp32."""
+    fp32 one member at a time), scheme and captured inputs [T, K] fp32. input_key names the tensor
+    it reads (capture.Captured.input_key; its own name when not given): members of one key have
+    one and the same x, computed on once."""
 
     name: str
     weight: torch.Tensor
     spec: SchemeSpec
     x: torch.Tensor
+    input_key: str = ""
+
+    def __post_init__(self):
+        self.input_key = self.input_key or self.name
 
 
 def _w_mean(members: list[Member]) -> torch.Tensor:
@@ -55,13 +61,13 @@ def _x_mean(members: list[Member]) -> torch.Tensor:
     xs = [m.x for m in members if m.x.numel()]
     if sum(x.numel() for x in xs) * 4 <= CONCAT_BYTES:
         return torch.cat(xs).abs().mean(0)
-    total, rows, seen = None, 0, {}
+    total, rows, sums = None, 0, {}
     for m in members:
         if not m.x.numel():
             continue
-        if id(m.x) not in seen:  # members fed one tensor (gate and up) share it
-            seen[id(m.x)] = (m.x, m.x.abs().sum(0))
-        part = seen[id(m.x)][1]
+        if m.input_key not in sums:  # members fed one tensor (gate and up): summed once
+            sums[m.input_key] = m.x.abs().sum(0)
+        part = sums[m.input_key]
         total = part.clone() if total is None else total.add_(part)
         rows += m.x.shape[0]
     return total / rows
@@ -138,15 +144,27 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, spec: SchemeSpec, opts: AWQOpt
     max_tokens rows of x [T, K]."""
     n, k = w.shape
     g = spec.group_size
-    ratio = torch.ones(n, k // g, device=w.device)
     if x.numel() == 0:
-        return ratio
+        return torch.ones(n, k // g, device=w.device)
     gram = _group_gram(_subsample(x, max_tokens), g)  # [K/G, G, G]
-    best = torch.full((n, k // g), float("inf"), device=w.device)
+    return _clip_ratios(w.float()[None], gram[None], spec, opts, scale_dtype)[0]
+
+
+def _clip_ratios(w: torch.Tensor, gram: torch.Tensor, spec: SchemeSpec, opts: AWQOptions,
+                 scale_dtype: torch.dtype) -> torch.Tensor:
+    """The clip grid for E Linears at once: w [E, N, K] fp32, their inputs' Gram matrices gram
+    [E, K/G, G, G]; each candidate fake-quantized in one call ([E*N, K]: groups run along K within
+    a row) and scored in one batched product. Returns ratio [E, N, K/G]. With E = 1 it is the
+    one-Linear search bitwise (the same product: einsum folds E into G's batch)."""
+    e, n, k = w.shape
+    g = spec.group_size
+    ratio = torch.ones(e, n, k // g, device=w.device)
+    best = torch.full((e, n, k // g), float("inf"), device=w.device)
     for i in range(opts.clip_grid):
         r = 1 - opts.max_shrink * i / opts.clip_grid
-        diff = (fake_int(w, spec, scale_dtype, clip_ratio=r) - w).reshape(n, k // g, g)
-        err = (torch.einsum("ngi,gij->ngj", diff, gram) * diff).sum(-1)  # [N, K/G]
+        diff = fake_int(w.reshape(e * n, k), spec, scale_dtype, clip_ratio=r).reshape(e, n, k // g, g)
+        diff.sub_(w.reshape(e, n, k // g, g))
+        err = (torch.einsum("engi,egij->engj", diff, gram) * diff).sum(-1)  # [E, N, K/G]
         better = err < best
         best = torch.where(better, err, best)
         ratio = torch.where(better, torch.full_like(ratio, r), ratio)
@@ -166,42 +184,30 @@ def _group_gram(x: torch.Tensor, g: int) -> torch.Tensor:
     return torch.einsum("tgi,tgj->gij", xg, xg)
 
 
-def search_clip_experts(xs: list[torch.Tensor], ws: list[torch.Tensor], spec: SchemeSpec, opts: AWQOptions,
-                        scale_dtype: torch.dtype, max_tokens: int = 4096,
-                        batch_bytes: int = 1 << 30) -> list[torch.Tensor]:
-    """search_clip for many Linears of one shape [N, K] and spec (the routed experts'), the
-    candidates of a batch of them fake-quantized in one call ([E*N, K]: groups run along K within
-    a row) and scored in one batched product with their Gram matrices. xs[i] [T_i, K] fp32,
-    ws[i] [N, K]; returns each Linear's ratio [N, K/G], as search_clip would pick it."""
-    n, k = ws[0].shape
+def search_clip_experts(members: list[Member], opts: AWQOptions, scale_dtype: torch.dtype,
+                        max_tokens: int = 4096, batch_bytes: int = 1 << 30) -> list[torch.Tensor]:
+    """search_clip for many Linears of one shape [N, K] and spec (the routed experts'), a batch of
+    them searched at once (_clip_ratios); members of one input key share their Gram matrices.
+    Each member's x [T_i, K] fp32, weight [N, K]; returns each one's ratio [N, K/G]."""
+    n, k = members[0].weight.shape
+    spec = members[0].spec
     g = spec.group_size
     size = max(1, batch_bytes // (5 * 4 * n * k))  # weights, candidates, difference, products (fp32)
     out: list[torch.Tensor] = []
-    for start in range(0, len(ws), size):
-        xs_b, ws_b = xs[start:start + size], ws[start:start + size]
-        device = ws_b[0].device
-        grams, seen = [], {}
-        for x in xs_b:
-            if id(x) not in seen:  # gate and up share their rows
-                seen[id(x)] = (x, _group_gram(_subsample(x, max_tokens), g) if x.numel()
-                               else torch.zeros(k // g, g, g, device=device))
-            grams.append(seen[id(x)][1])
-        gram = torch.stack(grams)  # [E, K/G, G, G]
-        del seen, grams
-        w = torch.stack([t.float() for t in ws_b])  # [E, N, K]
-        e = w.shape[0]
-        ratio = torch.ones(e, n, k // g, device=device)
-        best = torch.full((e, n, k // g), float("inf"), device=device)
-        for i in range(opts.clip_grid):
-            r = 1 - opts.max_shrink * i / opts.clip_grid
-            diff = fake_int(w.reshape(e * n, k), spec, scale_dtype, clip_ratio=r).reshape(e, n, k // g, g)
-            diff.sub_(w.reshape(e, n, k // g, g))
-            err = (torch.einsum("engi,egij->engj", diff, gram) * diff).sum(-1)  # [E, N, K/G]
-            better = err < best
-            best = torch.where(better, err, best)
-            ratio = torch.where(better, torch.full_like(ratio, r), ratio)
-        empty = [j for j, x in enumerate(xs_b) if not x.numel()]
-        ratio[empty] = 1.0
+    for start in range(0, len(members), size):
+        part = members[start:start + size]
+        device = part[0].weight.device
+        grams: dict[str, torch.Tensor] = {}
+        for m in part:
+            if m.input_key not in grams:  # gate and up: one Gram
+                grams[m.input_key] = (_group_gram(_subsample(m.x, max_tokens), g) if m.x.numel()
+                                      else torch.zeros(k // g, g, g, device=device))
+        gram = torch.stack([grams[m.input_key] for m in part])  # [E, K/G, G, G]
+        del grams
+        w = torch.stack([m.weight.float() for m in part])  # [E, N, K]
+        ratio = _clip_ratios(w, gram, spec, opts, scale_dtype)
+        del w, gram
+        ratio[[j for j, m in enumerate(part) if not m.x.numel()]] = 1.0
         out += list(ratio.unbind(0))
     return out
 

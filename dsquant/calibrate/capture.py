@@ -4,6 +4,11 @@ Forward pre-hooks on every nn.Linear record up to `max_rows` input rows (fp32, o
 device) for searches and error reports, and, for GPTQ Linears, accumulate the Hessian over all
 calibration tokens. A hook on each MoE block records its input, so experts the router seldom
 or never picks can still be calibrated on real tokens (`expert_fallback`).
+
+Linears fed one tensor (an MLP's gate and up, attention's q/k/v, MLA's q_a and kv_a) read one
+input: the hook tells so once, on the first batch, by the tensor itself, and names it in
+`Captured.input_key` (the first Linear that read it). The kept rows and the Hessian are stored
+once per input key, and every later step (take_inputs, awq.Member.input_key) groups by that name.
 """
 from __future__ import annotations
 
@@ -16,34 +21,50 @@ from torch import nn
 from dsquant.calibrate.gptq import HessianAccumulator
 from dsquant.models.moe import MoE
 
+RECENT_INPUTS = 4  # inputs the hooks remember (the very tensors) to tell a Linear fed one of them
+
 
 @dataclass
 class Captured:
-    rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)  # rows kept in `rows` (strided, capped)
+    rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # input key -> kept rows' parts [t, K]
+    counts: dict[str, int] = field(default_factory=dict)  # rows kept per Linear (strided, capped)
     seen: dict[str, int] = field(default_factory=dict)  # every input row the Linear saw (an expert: its tokens)
-    hessians: dict[str, HessianAccumulator] = field(default_factory=dict)
+    hessians: dict[str, HessianAccumulator] = field(default_factory=dict)  # Linears of one input key share one
     moe_inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    input_key: dict[str, str] = field(default_factory=dict)  # Linear -> its input's key (first Linear fed it)
+
+    def key_of(self, name: str) -> str:
+        return self.input_key.get(name, name)
 
     def take_inputs(self, names, device) -> dict[str, torch.Tensor]:
-        """Each Linear's kept rows as one tensor [T, K] on `device`, moved out of `rows` (each part
-        is freed once no other Linear holds it). Linears whose parts are the very same tensors (fed
-        one input: an MLP's gate and up, MLA's q_a and kv_a) get one shared tensor."""
+        """Each Linear's kept rows as one tensor [T, K] on `device`, moved out of `rows`. Linears of
+        one input key get one shared tensor."""
         out: dict[str, torch.Tensor] = {}
-        made: dict[tuple, torch.Tensor] = {}
-        # every part is alive (in `rows`) when the loop starts, so equal ids mean the same tensors
+        made: dict[str, torch.Tensor] = {}
         for name in names:
-            parts = self.rows.pop(name, None) or []
-            key = tuple(id(p) for p in parts)
-            if not key:
-                out[name] = torch.empty(0, device=device)
-            elif key in made:
-                out[name] = made[key]
-            else:
-                x = parts[0] if len(parts) == 1 else torch.cat(parts)
-                out[name] = made[key] = x.to(device)
-            del parts
+            key = self.key_of(name)
+            if self.seen.get(name, 0) != self.seen.get(key, 0):
+                raise RuntimeError(f"{name}: read {key}'s input on some batches only; their shared rows would be wrong")
+            if key not in made:
+                parts = self.rows.pop(key, None) or []
+                if not parts:
+                    made[key] = torch.empty(0, device=device)
+                else:
+                    made[key] = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device)
+                del parts
+            out[name] = made[key]
         return out
+
+
+@dataclass
+class _Input:
+    """One tensor a Linear read this batch: the tensor itself, its key, the rows kept of it (once,
+    for every Linear that reads it) and whether its key's Hessian has counted it."""
+
+    source: torch.Tensor
+    key: str
+    take: torch.Tensor | None = None
+    in_hessian: bool = False
 
 
 class LayerCapture:
@@ -55,58 +76,59 @@ class LayerCapture:
         self.gptq_names = gptq_names
         self.data = Captured()
         self.handles = []
-        self.shared: dict[str, str] = {}  # GPTQ Linear -> the Linear whose Hessian (same input) it uses
-        self._recent: dict[str, torch.Tensor] = {}  # the last GPTQ Linears' inputs (the very objects)
-        self._last: tuple | None = None  # (input object, rows kept before it, rows taken) of the last hook
+        self._hessians: dict[str, HessianAccumulator] = {}  # input key -> its Hessian
+        self._recent: list[_Input] = []  # the last few inputs, kept alive until replaced
+
+    def _read(self, name: str, source: torch.Tensor) -> _Input:
+        """The input `name` reads this batch: a recent Linear's when it is the very same tensor (the
+        only identity check), else a new one keyed by `name`. A Linear's key is fixed on its first
+        batch: its rows and Hessian are shared from then on."""
+        found = next((r for r in self._recent if r.source is source), None)
+        key = found.key if found is not None else name
+        first = self.data.input_key.setdefault(name, key)
+        if first != key:
+            raise RuntimeError(f"{name}: its input was {first}'s on the first batch but not now; "
+                               "the shared rows and Hessian would be wrong")
+        if found is None:
+            found = _Input(source, key)
+            self._recent.append(found)
+            del self._recent[:-RECENT_INPUTS]
+        return found
 
     def _linear_hook(self, name: str):
         def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+            x = args[0].detach().reshape(-1, args[0].shape[-1])  # [T, K] in the layer's dtype
             self.data.seen[name] = self.data.seen.get(name, 0) + x.shape[0]
+            read = self._read(name, args[0])
             if name in self.gptq_names:
-                self._hessian(name, args[0], x)
+                self._hessian(name, read, x)
             have = self.data.counts.get(name, 0)
             if have < self.max_rows and x.shape[0]:
-                last = self._last
-                if last is not None and last[0] is args[0] and last[1] == have:
-                    take = last[2]  # fed what the last Linear was (gate then up): keep the rows once
-                else:
-                    take = x[:: self.stride][: self.max_rows - have].clone()
-                    self._last = (args[0], have, take)
-                self.data.rows.setdefault(name, []).append(take)
-                self.data.counts[name] = have + take.shape[0]
+                if read.take is None:  # the first Linear to read it this batch keeps the rows, for all
+                    read.take = x[:: self.stride][: self.max_rows - have].to(torch.float32, copy=True)  # [t, K]
+                    self.data.rows.setdefault(read.key, []).append(read.take)
+                self.data.counts[name] = have + read.take.shape[0]
         return hook
 
-    def _hessian(self, name: str, source: torch.Tensor, x: torch.Tensor) -> None:
-        """Accumulate x [T, K] into name's Hessian. Linears fed the very same tensor (an MLP's gate
-        and up, MLA's q_a and kv_a) share one accumulator: a DeepSeek-V3 MoE layer then holds 256
-        expert Hessians of 7168^2 fp32 (52 GB) instead of 512."""
-        owner = self.shared.get(name)
-        if owner is None and name not in self.data.hessians:
-            owner = next((n for n, t in self._recent.items() if t is source), None)
-            if owner is not None:  # first call: fed what a recent Linear was fed
-                self.shared[name] = owner
-                self.data.hessians[name] = self.data.hessians[owner]
-        if owner is not None:
-            if self._recent.get(owner) is not source:
-                raise RuntimeError(f"{name}: its input was {owner}'s on the first batch but not now; "
-                                   "the shared Hessian would be wrong")
-            return
-        acc = self.data.hessians.get(name)
+    def _hessian(self, name: str, read: _Input, x: torch.Tensor) -> None:
+        """Accumulate x [T, K] into the Hessian of name's input key, once per input. Linears of one
+        key share one accumulator: a DeepSeek-V3 MoE layer then holds 256 expert Hessians of
+        7168^2 fp32 (52 GB) instead of 512."""
+        acc = self._hessians.get(read.key)
         if acc is None:
-            acc = self.data.hessians[name] = HessianAccumulator(x.shape[1], x.device)
-        acc.add(x)
-        self._recent.pop(name, None)
-        self._recent[name] = source
-        while len(self._recent) > 4:  # the inputs of the last few Linears, kept alive until replaced
-            self._recent.pop(next(iter(self._recent)))
+            acc = self._hessians[read.key] = HessianAccumulator(x.shape[1], x.device)
+        self.data.hessians[name] = acc
+        if not read.in_hessian:
+            acc.add(x)  # converts to fp32
+            read.in_hessian = True
 
     def _moe_hook(self, name: str):
         def hook(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
+            x = args[0].detach().reshape(-1, args[0].shape[-1])  # [T, hidden]
             have = sum(t.shape[0] for t in self.data.moe_inputs.get(name, []))
             if have < self.max_rows:
-                self.data.moe_inputs.setdefault(name, []).append(x[:: self.stride][: self.max_rows - have].clone())
+                take = x[:: self.stride][: self.max_rows - have].to(torch.float32, copy=True)
+                self.data.moe_inputs.setdefault(name, []).append(take)
         return hook
 
     def __enter__(self) -> Captured:
@@ -122,14 +144,15 @@ class LayerCapture:
         for h in self.handles:
             h.remove()
         self._recent.clear()
-        self._last = None
+        self._hessians.clear()
 
 
 def expert_fallback(data: Captured, moe: MoE, moe_name: str, min_rows: int, gptq_names: set[str]) -> list[int]:
     """Give experts with fewer than `min_rows` routed rows the block's input tokens instead.
 
-    Their gate/up inputs become the MoE input rows; their down_proj inputs are computed through
-    the expert's own gate/up. Returns the indices of the experts that fell back.
+    Their gate/up inputs become the MoE input rows (one input, keyed by gate_proj); their down_proj
+    inputs are computed through the expert's own gate/up. Returns the indices of the experts that
+    fell back.
     """
     mlp_in = torch.cat(data.moe_inputs.get(moe_name, [])) if data.moe_inputs.get(moe_name) else None
     if mlp_in is None:
@@ -140,19 +163,23 @@ def expert_fallback(data: Captured, moe: MoE, moe_name: str, min_rows: int, gptq
         if data.counts.get(f"{base}.gate_proj", 0) >= min_rows:
             continue
         fell_back.append(e)
-        x = mlp_in
+        x = mlp_in  # [T, hidden]
         with torch.no_grad():
             w_dtype = expert.gate_proj.weight.dtype
             xd = x.to(w_dtype)
-            down_in = (F.silu(expert.gate_proj(xd)) * expert.up_proj(xd)).to(torch.float32)
-        shared = None  # gate and up see the same rows: one Hessian
-        for proj, rows in (("gate_proj", x), ("up_proj", x), ("down_proj", down_in)):
-            name = f"{base}.{proj}"
-            data.rows[name], data.counts[name] = [rows], rows.shape[0]
+            down_in = (F.silu(expert.gate_proj(xd)) * expert.up_proj(xd)).to(torch.float32)  # [T, inter]
+        gate, up, down = (f"{base}.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+        data.input_key.update({gate: gate, up: gate, down: down})  # gate and up see the same rows
+        data.rows[gate], data.rows[down] = [x], [down_in]
+        data.rows.pop(up, None)
+        for name, rows in ((gate, x), (up, x), (down, down_in)):
+            data.counts[name] = rows.shape[0]
+        hess = {}
+        for name, rows in ((gate, x), (up, x), (down, down_in)):
             if name in gptq_names:
-                if proj == "down_proj" or shared is None:
-                    acc = HessianAccumulator(rows.shape[1], rows.device)
-                    acc.add(rows)
-                    shared = acc
-                data.hessians[name] = shared
+                key = data.input_key[name]
+                if key not in hess:
+                    hess[key] = HessianAccumulator(rows.shape[1], rows.device)
+                    hess[key].add(rows)
+                data.hessians[name] = hess[key]
     return fell_back

@@ -87,15 +87,14 @@ def _fold(producer: nn.Module, kind: str, members: list[nn.Linear], passengers: 
         mod.weight.mul_(s[None, :].to(mod.weight.dtype))
 
 
-def _rescale_inputs(inputs: dict[str, torch.Tensor], names: list[str], s: torch.Tensor) -> None:
+def _rescale_inputs(inputs: dict[str, torch.Tensor], members: list[awq.Member], s: torch.Tensor) -> None:
     """inputs[n] / s [T, K] for the group's members once the fold has scaled their weights; members
-    that shared one input tensor share the result."""
-    done: dict[int, tuple] = {}  # id -> (the input, kept alive so ids stay unique; its rescaled copy)
-    for n in names:
-        x = inputs[n]
-        if id(x) not in done:
-            done[id(x)] = (x, x / s)
-        inputs[n] = done[id(x)][1]
+    of one input key (one shared tensor) share the result."""
+    done: dict[str, torch.Tensor] = {}  # input key -> its rescaled rows
+    for m in members:
+        if m.input_key not in done:
+            done[m.input_key] = inputs[m.name] / s
+        inputs[m.name] = done[m.input_key]
 
 
 def _forward(layer: nn.Module, hidden: torch.Tensor, ctx, batch: int) -> torch.Tensor:
@@ -157,7 +156,7 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
     if isinstance(layer.mlp, MoE):
         tokens = [data.seen.get(f"{prefix}.mlp.experts.{e}.gate_proj", 0) for e in range(len(layer.mlp.experts))]
         fallback = expert_fallback(data, layer.mlp, f"{prefix}.mlp", MIN_EXPERT_ROWS, gptq_names)
-    inputs = data.take_inputs(linears, hidden.device)  # Linears fed one tensor share it
+    inputs = data.take_inputs(linears, hidden.device)  # Linears of one input key share one tensor
 
     groups = scaling_groups(layer, prefix) if any(s.scheme == "awq" for s in specs.values()) else []
     total, done = len(groups) + len(linears), 0
@@ -175,7 +174,7 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
         for producer, kind, names, passengers in groups:
             # the parameters themselves (no fp32 copy: a V3 MoE layer's 514 gate/up weights would take 30 GB);
             # each Linear is in one group, and its weight changes only when that group is folded
-            members = [awq.Member(n, linears[n].weight.detach(), specs[n], inputs[n]) for n in names]
+            members = [awq.Member(n, linears[n].weight.detach(), specs[n], inputs[n], data.key_of(n)) for n in names]
             if not any(m.spec.scheme == "awq" for m in members):
                 tick("awq scales")
                 continue
@@ -187,7 +186,7 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
             else:
                 s = awq.search_scales(members, recipe.awq, scale_dtype, block_loss)
             _fold(producer, kind, [linears[n] for n in names], passengers, s)
-            _rescale_inputs(inputs, names, s)
+            _rescale_inputs(inputs, members, s)
             tick("awq scales")
         by_shape: dict = {}
         for producer, m in routed:
@@ -198,7 +197,7 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
                 _fold(producer, "linear", [linears[m.name]], [], s)
                 inputs[m.name] = inputs[m.name] / s
             tick("awq scales (experts)", len(group))
-    clip = _expert_clip_ratios(linears, specs, inputs, recipe, scale_dtype)  # routed experts, batched
+    clip = _expert_clip_ratios(linears, specs, inputs, data.key_of, recipe, scale_dtype)  # routed experts, batched
 
     weights, errors = {}, {}
 
@@ -238,9 +237,10 @@ def quantize_layer(layer: nn.Module, prefix: str, hidden: torch.Tensor, ctx, rec
 
 
 def _expert_clip_ratios(linears: dict[str, nn.Linear], specs: dict[str, SchemeSpec], inputs: dict[str, torch.Tensor],
-                        recipe: Recipe, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                        key_of, recipe: Recipe, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The clip search's ratios [N, K/G] for the routed experts' AWQ Linears, searched in batches of
-    one shape and spec (awq.search_clip_experts); other Linears are searched one by one."""
+    one shape and spec (awq.search_clip_experts); other Linears are searched one by one.
+    key_of(name): the Linear's input key (capture.Captured.key_of)."""
     if not recipe.awq.clip:
         return {}
     by_kind: dict[tuple, list[str]] = {}
@@ -249,8 +249,8 @@ def _expert_clip_ratios(linears: dict[str, nn.Linear], specs: dict[str, SchemeSp
             by_kind.setdefault((tuple(linears[n].weight.shape), s), []).append(n)
     out = {}
     for (_, spec), names in by_kind.items():
-        ratios = awq.search_clip_experts([inputs[n] for n in names], [linears[n].weight.detach() for n in names],
-                                         spec, recipe.awq, scale_dtype)
+        members = [awq.Member(n, linears[n].weight.detach(), spec, inputs[n], key_of(n)) for n in names]
+        ratios = awq.search_clip_experts(members, recipe.awq, scale_dtype)
         out.update(zip(names, ratios))
     return out
 

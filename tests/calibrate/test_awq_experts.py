@@ -53,12 +53,15 @@ def test_batched_expert_clip_search_equals_the_sequential_one():
     spec = SchemeSpec("awq", bits=4, group_size=32)
     ws, xs = _clip_cases(9, 40, 128)
     want = [awq.search_clip(x, w, spec, opts, torch.float16) for x, w in zip(xs, ws)]
+    members = [awq.Member(f"m{i}", w, spec, x, "m2" if i == 3 else "") for i, (w, x) in enumerate(zip(ws, xs))]
     for batch_bytes in (1, 3 * 5 * 4 * 40 * 128, 1 << 30):  # one Linear a batch, three, all
-        got = awq.search_clip_experts(xs, ws, spec, opts, torch.float16, batch_bytes=batch_bytes)
+        got = awq.search_clip_experts(members, opts, torch.float16, batch_bytes=batch_bytes)
         assert len(got) == len(ws)
         for i, (a, b) in enumerate(zip(want, got)):
             same = (a == b).float().mean().item()
             assert same >= 0.99, f"Linear {i}, batch {batch_bytes}: {same:.3f} of the ratios agree"
+        if batch_bytes == 1:  # one Linear a batch: the one-Linear search, bitwise
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert torch.equal(want[0], torch.ones(40, 4))  # no rows: no clipping
     assert (want[1] < 1).any()  # the search clipped somewhere
 
@@ -78,8 +81,8 @@ def test_fake_int_is_int_grid_bitwise():
 
 
 def test_capture_keeps_rows_fed_one_tensor_once_and_equal_to_a_plain_capture():
-    """Gate and up (and MLA's q and kv_a) get one shared tensor, equal to what each saw; the other
-    Linears keep their own; take_inputs empties the capture."""
+    """Gate and up (and MLA's q_a and kv_a) get one input key and one shared tensor, equal to what
+    each saw; the other Linears keep their own; take_inputs empties the capture."""
     from dsquant.assets import bundled_model_path
     from dsquant.calibrate.capture import LayerCapture
     from dsquant.models.loader import load_layer, open_model
@@ -103,9 +106,17 @@ def test_capture_keeps_rows_fed_one_tensor_once_and_equal_to_a_plain_capture():
     assert not data.rows
     for name, x in inputs.items():
         torch.testing.assert_close(x, torch.cat(seen[name]), rtol=0, atol=0, msg=name)
-    e = f"{prefix}.mlp.experts.0"
-    assert inputs[f"{e}.gate_proj"] is inputs[f"{e}.up_proj"]
+    e, a = f"{prefix}.mlp.experts.0", f"{prefix}.self_attn"
+    pairs = [(f"{e}.gate_proj", f"{e}.up_proj"), (f"{a}.q_a_proj", f"{a}.kv_a_proj_with_mqa"),
+             (f"{prefix}.mlp.shared_experts.gate_proj", f"{prefix}.mlp.shared_experts.up_proj")]
+    for first, second in pairs:
+        assert data.key_of(first) == data.key_of(second) == first
+        assert inputs[first] is inputs[second]
     assert inputs[f"{e}.down_proj"] is not inputs[f"{e}.up_proj"]
+    shared = {n for n in names.values() if data.key_of(n) != n}
+    routed = {f"{prefix}.mlp.experts.{i}.up_proj" for i in range(1, len(layer.mlp.experts))
+              if data.seen.get(f"{prefix}.mlp.experts.{i}.up_proj")}
+    assert shared == {b for _, b in pairs} | routed and routed
 
 
 def test_stacked_candidates_equal_each_members_own():
@@ -127,7 +138,7 @@ def test_x_mean_streamed_over_members_matches_the_concatenation(monkeypatch):
     """Beyond CONCAT_BYTES the mean |x| runs member by member (shared inputs counted per member)."""
     ws, xs = _clip_cases(6, 8, 64, seed=7)
     spec = SchemeSpec("awq", bits=4, group_size=32)
-    members = [awq.Member(f"m{i}", w, spec, x) for i, (w, x) in enumerate(zip(ws, xs))]
+    members = [awq.Member(f"m{i}", w, spec, x, "m2" if i == 3 else "") for i, (w, x) in enumerate(zip(ws, xs))]
     want = awq._x_mean(members)
     monkeypatch.setattr(awq, "CONCAT_BYTES", 0)
     torch.testing.assert_close(awq._x_mean(members), want, rtol=1e-6, atol=0)
