@@ -62,7 +62,7 @@ def main() -> None:
     a = p.parse_args()
 
     import dsquant.data as data
-    from dsquant.calibrate import awq, capture, layer, pipeline
+    from dsquant.calibrate import awq, awq_layer, capture, layer, pipeline
     from dsquant.data import tokenizer
     from dsquant.export import writer
 
@@ -71,7 +71,7 @@ def main() -> None:
                       (pipeline, "layer_forward"), (pipeline, "check_layer_headers"), (pipeline, "release_layer"),
                       (layer, "_forward"), (layer, "expert_fallback"), (layer, "int_grid"), (layer, "gptq_quantize"),
                       (layer, "gptq_quantize_batch"), (layer, "fp8_block"), (layer, "relative_output_error"),
-                      (layer, "_fold"), (awq, "search_scales"), (awq, "search_scales_experts"),
+                      (awq_layer, "_fold"), (awq_layer, "_forward"), (awq, "search_scales"), (awq, "search_scales_experts"),
                       (awq, "search_clip"), (awq, "fake_quant"), (awq, "fake_int"), (awq, "candidate_scales"),
                       (data, "calibration_samples"), (tokenizer, "load_tokenizer")]:
         patch(mod, attr)

@@ -106,6 +106,8 @@ def run_quantize(args: QuantizeArgs, progress=None, module_progress=None) -> Qua
     recipe_key = recipe.to_dict()
     if recipe.on_indivisible == "fallback":  # the default: keeps older partial runs resumable
         del recipe_key["on_indivisible"]
+    if not recipe.awq.sequential:  # likewise (the option came later)
+        del recipe_key["awq"]["sequential"]
     run_key = {"model_dir": str(model_dir.resolve()), "recipe": recipe_key, "calib_sha256": data_hash,
                "n_samples": args.n_samples, "seqlen": args.seqlen, "seed": args.seed,
                "device": device.type}

@@ -49,6 +49,16 @@ def int_grid(w: torch.Tensor, spec: SchemeSpec, scale_dtype: torch.dtype, symmet
     return QuantizedWeight(spec, deq, q=q, scales=scales.to(scale_dtype), zeros=zeros)
 
 
+def rescale_rows(qw: QuantizedWeight, s: torch.Tensor, scale_dtype: torch.dtype) -> QuantizedWeight:
+    """An INT weight with output row n divided by s[n] (s [N]: a later AWQ fold into this Linear as
+    producer): codes and zero points kept, scales [N, K/G] divided and rounded to scale_dtype, as
+    int_grid rounds them; `dequantized` recomputed from them."""
+    scales = (qw.scales.to(torch.float32) / s.to(torch.float32)[:, None]).to(scale_dtype).to(torch.float32)
+    scales = scales.clamp(min=torch.finfo(scale_dtype).tiny)
+    deq = dequantize_int_groupwise(qw.q.to(torch.int32), scales, qw.zeros, qw.spec.group_size)
+    return replace(qw, dequantized=deq, scales=scales.to(scale_dtype))
+
+
 def codes_for(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: SchemeSpec) -> torch.Tensor:
     """Codes of w [N, K] for given (already rounded) scales/zeros [N, K/G]."""
     n, k = w.shape

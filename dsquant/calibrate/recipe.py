@@ -58,6 +58,9 @@ class AWQOptions:
     max_tokens: int = 16384
     block_loss: bool = True  # score scales by the decoder layer's output (else the members' outputs)
     inspect_samples: int = 4  # calibration sequences the layer-output loss runs on
+    # quantize each scaling group's AWQ / RTN members right after its fold, so later groups' searches
+    # score on a layer whose earlier groups are quantized (calibrate/awq_layer.py); not measured yet
+    sequential: bool = False
 
 
 @dataclass(frozen=True)
