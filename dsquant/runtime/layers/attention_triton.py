@@ -4,8 +4,9 @@ as the torch backend (attention.py).
 GQA: store_kv, then paged_decode_attention when every sequence has one new token, else
 paged_prefill_attention (causal varlen with the cached prefix). MLA runs absorbed (design.md):
 W_UK is folded into the query, the latent cache serves as key and value for all heads, and W_UV
-is applied after attention; prefill uses the same kernel with one row per new token
-(mla_decode.prefill_rows). The absorbed W_UK [H, nope, R] and W_UV [H, v, R] are taken once from
+is applied after attention. A prefill step whose FLOPs that favours (a long prompt's chunks) runs
+unabsorbed instead (mla_prefill.py: per-head keys and values expanded from the cache, then causal
+flash attention); a short one uses the decode kernel with one row per new token (mla_decode.prefill_rows). The absorbed W_UK [H, nope, R] and W_UV [H, v, R] are taken once from
 kv_b_proj's dense (dequantized) weight.
 `mla_fused` is the same attention from the projections' raw outputs in three launches
 (mla_absorb.py): mla_prepare (q rope, W_UK, kv_a RMSNorm, k rope, cache store), the split decode
@@ -73,10 +74,12 @@ class TritonPagedAttention(PagedAttentionBase):
         (kv_cache,) = self.caches_of(module)
         self._store_latent(kv_latent[0], k_pe[0], kv_cache, ctx.slot_mapping)
         w_uk, w_uv = self._absorbed(module, q_nope.dtype)
-        q_abs = torch.einsum("thn,hnr->thr", q_nope[0], w_uk)  # q_nope [T, H, nope] -> absorbed [T, H, R]
         q_pe = q_pe[0]  # [T, H, rope], a view of q (the kernel takes its strides)
         if q_pe.stride(-1) != 1:
             q_pe = q_pe.contiguous()
+        if self._unabsorbed(module, ctx):
+            return self._attend_unabsorbed(module, q_nope[0], q_pe, kv_cache, ctx)
+        q_abs = torch.einsum("thn,hnr->thr", q_nope[0], w_uk)  # q_nope [T, H, nope] -> absorbed [T, H, R]
         return self._attend_absorbed(module, q_abs, q_pe, kv_cache, w_uv, ctx)
 
     def mla_fused(self, module, q, latent, ctx: PagedContext):
@@ -99,6 +102,8 @@ class TritonPagedAttention(PagedAttentionBase):
             rank = module.kv_lora_rank
             self._store_latent(target[:, 0, :rank], target[:, 0, rank:], kv_cache, ctx.slot_mapping)
         q_pe = q[0, :, :, module.qk_nope_head_dim:]  # [T, H, rope], rotated
+        if self._unabsorbed(module, ctx):  # (q_abs unused: one [T, nope] x [nope, R] product per head)
+            return self._attend_unabsorbed(module, q[0, :, :, :module.qk_nope_head_dim], q_pe, kv_cache, ctx)
         return self._attend_absorbed(module, q_abs, q_pe, kv_cache, w_uv, ctx)
 
     def _store_latent(self, kv_c, k_pe, kv_cache, slot_mapping) -> None:
@@ -111,6 +116,33 @@ class TritonPagedAttention(PagedAttentionBase):
             from dsquant.runtime.kernels.attention.kv_store import store_latent
 
             store_latent(kv_c, k_pe, kv_cache, slot_mapping)
+
+    @staticmethod
+    def _unabsorbed(module, ctx: PagedContext) -> bool:
+        """Whether this step's attention costs fewer FLOPs unabsorbed (keys and values expanded from the
+        latent once per step, then per-head attention: mla_prefill.py) than absorbed, from the host-known
+        lengths. Decode steps stay absorbed; a long prompt's chunks go unabsorbed (3.4x fewer FLOPs per
+        query-key pair at DeepSeek's dims)."""
+        from dsquant.runtime.kernels.attention.mla_prefill import supported
+
+        nope, rope, vdim, rank = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim, module.kv_lora_rank
+        if ctx.is_decode or not supported(nope, rope, vdim):
+            return False
+        pairs = sum(q * (n - q / 2) for q, n in zip(ctx.q_lens_host, ctx.seq_lens_host))  # causal (query, key) pairs
+        absorbed = pairs * (2 * rank + rope)
+        unabsorbed = sum(ctx.seq_lens_host) * rank * (nope + vdim) + pairs * (nope + rope + vdim)
+        return unabsorbed < absorbed
+
+    def _attend_unabsorbed(self, module, q_nope, q_pe, kv_cache, ctx: PagedContext):
+        """q_nope [T, H, nope] (not absorbed), q_pe [T, H, rope] over every cached key expanded per head
+        -> [1, T, H, v]."""
+        from dsquant.runtime.kernels.attention.mla_prefill import expand_keys, mla_prefill_attention
+
+        w_uk, w_uv = self._absorbed(module, q_nope.dtype)
+        k_nope, k_pe, v, cu_k = expand_keys(kv_cache, ctx.block_tables, ctx.seq_lens, sum(ctx.seq_lens_host), w_uk,
+                                            w_uv, module.qk_rope_head_dim, self.spec.rope_dtype if self.spec.fp8 else None)
+        return mla_prefill_attention(q_nope, q_pe, k_nope, k_pe, v, ctx.cu_seqlens_q, cu_k, ctx.max_q_len,
+                                     module.scaling)[None]
 
     def _attend_absorbed(self, module, q_abs, q_pe, kv_cache, w_uv, ctx: PagedContext):
         """q_abs [T, H, R], q_pe [T, H, rope] over the latent cache, back through W_UV -> [1, T, H, v]."""
