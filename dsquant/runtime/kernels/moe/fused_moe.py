@@ -18,6 +18,8 @@ Block sizes are picked by a heuristic from the pairs per expert (never tuned at 
 INT4 experts with at most MOE_GEMV_MAX_PAIRS (token, expert) pairs (decode) skip the alignment and
 run moe_gemv's per-pair GEMVs (split-K by moe_gemv.default_split_k, counters reserved here at load)
 instead of the grouped MMA GEMMs. FP8 experts always take the grouped GEMMs (see _expert_gemvs).
+INT4 experts with prefill-sized batches (DEQUANT_MIN_PAIRS_PER_EXPERT) are dequantized once per call
+and run the bf16 grouped GEMMs (int4_dequant.py says why).
 """
 from __future__ import annotations
 
@@ -27,10 +29,17 @@ from dataclasses import dataclass
 import torch
 
 from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8
+from dsquant.runtime.kernels.moe.int4_dequant import dequantize_int4_grouped
 from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size
 from dsquant.runtime.kernels.moe.moe_gemm import GemmConfig, GroupedWeight, moe_gemm
 from dsquant.runtime.kernels.moe.moe_gemv import MOE_GEMV_MAX_PAIRS, moe_gemv_int4, reserve_gemv_counters
 from dsquant.runtime.kernels.moe.moe_sum import moe_sum
+
+# INT4 experts with at least this many (token, expert) pairs per expert (a prefill chunk) are
+# dequantized to the activation dtype once per call (int4_dequant.py) and run the bf16 grouped GEMM,
+# when w13 + w2 dequantized take at most DEQUANT_MAX_BYTES.
+DEQUANT_MIN_PAIRS_PER_EXPERT = 256
+DEQUANT_MAX_BYTES = 4 << 30
 
 
 @dataclass
@@ -145,6 +154,10 @@ def expert_outputs(hidden: torch.Tensor, weights: MoeWeights, topk_ids: torch.Te
     if fmt == "int4" and configs is None and 0 < t * top_k <= MOE_GEMV_MAX_PAIRS:
         _expert_gemvs(hidden, weights, topk_ids.contiguous(), act, out)
         return out.view(t, top_k, h)
+    if fmt == "int4" and configs is None and _dequantize_first(weights, t * top_k, hidden.element_size()):
+        weights = MoeWeights(dequantize_int4_grouped(weights.w13, hidden.dtype),
+                             dequantize_int4_grouped(weights.w2, hidden.dtype))
+        fmt = "bf16"
     cfg13, cfg2 = configs or pick_configs(t * top_k, weights.num_experts, fmt, weights.w13.group_size,
                                           inter, weights.w2.n)
     align = moe_align_block_size(topk_ids, weights.num_experts, cfg13.block_m)
@@ -155,6 +168,13 @@ def expert_outputs(hidden: torch.Tensor, weights: MoeWeights, topk_ids: torch.Te
     a, a_scale = quantize_act_fp8(act) if fmt == "fp8" else (act, None)
     moe_gemm(a, weights.w2, align, out, cfg2, a_row_div=1, gated=False, a_scale=a_scale, fp8_upcast=upcast)
     return out.view(t, top_k, h)
+
+
+def _dequantize_first(weights: MoeWeights, pairs: int, elem_bytes: int) -> bool:
+    """Whether a call with this many pairs runs INT4 experts dequantized (see DEQUANT_MIN_PAIRS_PER_EXPERT)."""
+    e = weights.num_experts
+    dense = e * (weights.w13.n * weights.w13.k + weights.w2.n * weights.w2.k) * elem_bytes
+    return pairs >= DEQUANT_MIN_PAIRS_PER_EXPERT * e and dense <= DEQUANT_MAX_BYTES
 
 
 def _expert_gemvs(hidden, weights: MoeWeights, ids, act, out) -> None:
