@@ -147,7 +147,7 @@ def test_store_fp8_gpu(block_size, dtype, device):
 
 
 # ----------------------------------------------------------------------------- read kernels
-def _check_decode(device, dtype, seq_lens, block_size, kv_heads, group, head_dim, splits, block_n=32):
+def _check_decode(device, dtype, seq_lens, block_size, kv_heads, group, head_dim, splits, block_n=32, f16=False):
     from dsquant.runtime.kernels.attention.paged_decode import DecodeConfig, paged_decode_attention
 
     gen = torch.Generator().manual_seed(sum(seq_lens) + block_size + group)
@@ -159,7 +159,7 @@ def _check_decode(device, dtype, seq_lens, block_size, kv_heads, group, head_dim
     scale = 1.0 / math.sqrt(head_dim)
     out = torch.full_like(query, float("nan"))
     paged_decode_attention(query, kq, vq, table, lens, scale, out=out, k_scale=ks, v_scale=vs,
-                           config=DecodeConfig(block_n=block_n, num_stages=1, num_splits=splits))
+                           config=DecodeConfig(block_n=block_n, num_stages=1, num_splits=splits, fp8_f16=f16))
     ref = paged_decode_reference(query, k_deq, v_deq, table, lens, scale)
     assert torch.isfinite(out).all()
     for o, r in zip(out.float(), ref):  # per row: the rows' magnitudes differ by orders of magnitude
@@ -169,8 +169,10 @@ def _check_decode(device, dtype, seq_lens, block_size, kv_heads, group, head_dim
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_paged_decode_fp8_cpu(block_size, group, splits, device):
-    _check_decode(device, torch.float16, [1, 2 * block_size, 3 * block_size + 5, 37], block_size, 2, group, 32, splits)
+@pytest.mark.parametrize("f16", [False, True])  # DecodeConfig.fp8_f16: the dots in fp16
+def test_paged_decode_fp8_cpu(block_size, group, splits, f16, device):
+    _check_decode(device, torch.float16, [1, 2 * block_size, 3 * block_size + 5, 37], block_size, 2, group, 32, splits,
+                  f16=f16)
 
 
 def _check_prefill(device, dtype, ctx_lens, q_lens, block_size, kv_heads, group, head_dim, block=16):
@@ -235,7 +237,7 @@ def _check_mla(device, dtype, seq_lens, block_size, heads, rank, rope, config):
 # R <= 512; R = 1024 keeps the dequantizing kernel), with fp16 dots too
 @pytest.mark.parametrize("rank", [128, 256, 512, 1024])
 @pytest.mark.parametrize("heads,splits", [(4, 1), (20, 3)])  # a partial head tile; split-KV merge
-@pytest.mark.parametrize("fold,f16", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("fold,f16", [(False, False), (False, True), (True, False), (True, True)])
 def test_mla_decode_fp8_cpu(rank, heads, splits, fold, f16, device):
     from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig
 
@@ -269,8 +271,10 @@ def test_fp8_read_kernels_gpu(dtype, device):
     lens = [1, 64, 1000, 4096 + 7]
     _check_decode(device, dtype, lens, 16, 8, 1, 128, splits=0, block_n=64)
     _check_decode(device, dtype, lens, 64, 4, 7, 128, splits=4, block_n=64)
+    _check_decode(device, dtype, lens, 64, 8, 4, 128, splits=0, block_n=128, f16=True)
     _check_prefill(device, dtype, [0, 64, 1000], [200, 64, 1], 16, 4, 7, 128, block=64)
     for heads in (16, 128):
         _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig())
+        _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig(fp8_f16_dots=True))
         _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig(fold_fp8_scales=True))
         _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig(fold_fp8_scales=True, fp8_f16_dots=True))

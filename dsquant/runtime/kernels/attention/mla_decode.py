@@ -54,7 +54,7 @@ class MLADecodeConfig:
     num_splits: int = 0
     fold_fp8_scales: bool = False  # FP8 cache: mla_decode_fp8.py's kernel (R <= 512) instead of dequantized
     # tiles; off: on the H200 it ran 5-16% slower (BENCHMARKS.md, FP8 KV cache)
-    fp8_f16_dots: bool = False  # with fold_fp8_scales: both dots in fp16 (an experiment)
+    fp8_f16_dots: bool = False  # FP8 cache: both dots in fp16, the tiles dequantized in fp16 (an experiment)
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def _mla_decode_kernel(
     scale_log2, num_splits, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
-    KV_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+    KV_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -86,6 +86,9 @@ def _mla_decode_kernel(
                      mask=qmask, other=0.0)  # [BLOCK_H, R]
     q_pe = tl.load(qp_ptr + b * stride_qpb + heads[:, None] * stride_qph + p[None, :],
                    mask=qmask, other=0.0)  # [BLOCK_H, P]
+    if KV_FP8 and F16:
+        q_nope = q_nope.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -108,7 +111,10 @@ def _mla_decode_kernel(
                 sc = tl.load(sc_ptr + s_row[:, None] + tl.arange(0, GROUPS)[None, :], mask=nmask[:, None],
                              other=0.0)  # [BLOCK_N, GROUPS]
                 sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, GROUPS, GROUP]), [BLOCK_N, RANK])
-            latent = (latent.to(tl.float32) * sc).to(q_nope.dtype)  # [BLOCK_N, R]
+            if F16:  # e4m3 -> fp16 and the scale multiply, each one instruction per pair
+                latent = latent.to(tl.float16) * sc.to(tl.float16)  # [BLOCK_N, R]
+            else:
+                latent = (latent.to(tl.float32) * sc).to(q_nope.dtype)  # [BLOCK_N, R]
             k_pe = k_pe.to(q_pe.dtype)
         s = tl.dot(q_nope, tl.trans(latent))
         s = tl.dot(q_pe, tl.trans(k_pe), s) * scale_log2  # [BLOCK_H, BLOCK_N]
@@ -208,7 +214,7 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
         latent, scales, pe = kv_cache[..., :rank], kv_cache, kv_cache[..., rank:]  # scales unused
     folded = fp8 and config.fold_fp8_scales and scales.shape[-1] <= MAX_GROUPS  # the scales folded into the dots (mla_decode_fp8.py)
     kernel = mla_decode_fp8_kernel if folded else _mla_decode_kernel
-    fp8_args = {"F16_DOTS": config.fp8_f16_dots} if folded else {"KV_FP8": fp8}
+    fp8_args = {"F16_DOTS": config.fp8_f16_dots} if folded else {"KV_FP8": fp8, "F16": fp8 and config.fp8_f16_dots}
     kernel[(batch, head_blocks, splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1),
         q_pe, q_pe.stride(0), q_pe.stride(1),

@@ -42,6 +42,8 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     num_splits: int = 0
+    fp8_f16: bool = False  # FP8 cache: both dots in fp16 (q rounded to fp16 once; e4m3 -> fp16 is one
+    # instruction per pair, -> bf16 goes through fp32)
 
 
 @triton.jit
@@ -55,6 +57,7 @@ def _paged_decode_gqa_kernel(
     scale_log2, num_splits, num_q_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
+    F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,6 +72,8 @@ def _paged_decode_gqa_kernel(
     dmask = d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if KV_FP8 and F16:
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -177,6 +182,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         scale * LOG2E, splits, hq,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, IS_SPLIT=splits > 1, KV_FP8=fp8,
+        F16=fp8 and config.fp8_f16,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
