@@ -20,8 +20,8 @@ Layouts
 - scale: the softmax scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times YaRN's mscale^2
   when the config has rope_scaling (the caller computes it; it enters only here).
 
-Prefill (chunked or with a cached prefix) runs through this same kernel in absorbed form, one row
-per new token: `prefill_rows` turns (cu_seqlens_q, seq_lens, block_table) into per-token block
+A short prefill step (chunked or with a cached prefix) runs through this same kernel in absorbed
+form, one row per new token (long ones go unabsorbed: mla_prefill.py): `prefill_rows` turns (cu_seqlens_q, seq_lens, block_table) into per-token block
 tables and causal lengths (token i of a sequence sees positions 0 .. ctx + i). Each row re-reads
 its prefix (from L2 when rows of a sequence run together): exact, but not a tiled prefill kernel.
 

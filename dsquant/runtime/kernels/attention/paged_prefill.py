@@ -15,7 +15,8 @@ Layouts
 - FP8 cache: k_cache, v_cache float8_e4m3fn with k_scale, v_scale fp32 [num_blocks, block_size, Hkv],
   dequantized in registers as in paged_decode.py (scales on the score columns and the probabilities).
 
-MLA prefill is served by mla_decode.py in absorbed form, one row per new token (see there).
+MLA prefill: mla_prefill.py (unabsorbed, per-head keys expanded from the latent cache) for long
+steps, mla_decode.py in absorbed form (one row per new token) for short ones.
 
 Program (query tile, sequence, query head) runs a flash-attention loop over key tiles of BLOCK_N
 tokens up to its tile's last causal position, pages found through the block table.
