@@ -21,8 +21,8 @@ Layouts
   when the config has rope_scaling (the caller computes it; it enters only here).
 
 A short prefill step (chunked or with a cached prefix) runs through this same kernel in absorbed
-form, one row per new token (long ones go unabsorbed: mla_prefill.py): `prefill_rows` turns (cu_seqlens_q, seq_lens, block_table) into per-token block
-tables and causal lengths (token i of a sequence sees positions 0 .. ctx + i). Each row re-reads
+form, one row per new token (long ones go unabsorbed: mla_prefill.py): `prefill_rows` turns
+(cu_seqlens_q, seq_lens, block_table) into per-token block tables and causal lengths (token i of a sequence sees positions 0 .. ctx + i). Each row re-reads
 its prefix (from L2 when rows of a sequence run together): exact, but not a tiled prefill kernel.
 
 Program (row b, head block, split) holds BLOCK_H heads as the rows of its tensor-core dots; each
