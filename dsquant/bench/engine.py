@@ -7,8 +7,9 @@ as the peer:
     fraction of the roofline (bytes one token reads over the copy bandwidth, 4.25 TB/s on an H200:
     every non-expert weight but the embedding, top-k/E of the routed experts, the KV cache);
   - output tokens/s with N concurrent sequences (input 512, output 256; wall time incl. prefill);
-  - optionally one long prompt (V2-Lite's YaRN context, 131072) through chunked prefill: TTFT and
-    the KV-cache memory it holds;
+  - optionally one long prompt (V2-Lite's YaRN context, 131072) through chunked prefill: TTFT, the
+    KV-cache memory it holds, and the time between tokens of short streams decoding beside its
+    prefill (engine_long.py);
   - optionally the HTTP serving benchmark (bench.serve_local) at several concurrencies.
 The batch-1 and concurrent runs are measured for each --modes stepping of the same engine: "sync"
 (each step's tokens read before the next is scheduled) and "async" (EngineConfig.async_scheduling:
@@ -43,6 +44,7 @@ class EngineBenchSpec:
     concurrent_output: int = 256
     long_context: int = 0  # prompt length of the long-context request (0: skip)
     long_scheme: str = "int4"
+    long_streams: int = 8  # short streams decoding beside the long prompt (engine_long.py; 0: skip)
     serve_concurrencies: tuple[int, ...] = ()  # HTTP runs for fp8/int4 (empty: skip)
     serve_output: int = 128
     peer_batches: tuple[int, ...] = (1, 16)  # transformers generate (empty: skip)
@@ -88,7 +90,8 @@ def build_engine(scheme: str, spec: EngineBenchSpec, workdir: Path, max_model_le
     reader = RandomCheckpointReader(path, device=spec.device, seed=spec.seed)
     start = time.perf_counter()
     engine = LLMEngine(path, EngineConfig(
-        device=spec.device, max_num_seqs=max(spec.concurrency, max(spec.serve_concurrencies, default=1)),
+        device=spec.device, max_num_seqs=max(spec.concurrency, max(spec.serve_concurrencies, default=1),
+                                             spec.long_streams + 1 if spec.long_context else 1),
         max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=spec.gpu_memory_utilization, verify_checksums=False,
         kv_cache_memory=1 << 30, kv_cache_dtype=spec.kv_cache_dtype), reader=reader)
@@ -135,13 +138,10 @@ def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit) -> Non
         row["serve"] = serve_runs(engine, spec, vocab)
         emit(row)
     if long_len:
-        # warm-up: two chunks of one prompt reach the chunk-sized shapes (and their Triton compiles),
-        # prefix included, that the timed request's TTFT must not pay
-        run_requests(engine, _prompts(1, min(long_len, 2 * spec.max_num_batched_tokens), vocab, spec.seed + 3), 2)
-        r = run_requests(engine, _prompts(1, long_len, vocab, spec.seed + 2), 4)
-        row["long_context"] = {"prompt_tokens": long_len, "ttft_s": r["ttft_s"], "tpot_ms": r["tpot_ms"],
-                               "kv_gb": r["peak_kv_blocks"] * row["kv_bytes_per_block"] / 1e9,
-                               "max_num_batched_tokens": spec.max_num_batched_tokens}
+        from dsquant.bench.engine_long import long_context_runs
+
+        row["long_context"] = long_context_runs(engine, spec, vocab, long_len, row["kv_bytes_per_block"],
+                                                lambda n, length, seed: _prompts(n, length, vocab, seed), run_requests)
         emit(row)
     del engine
     gc.collect()
@@ -233,6 +233,10 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Tokens generated per request in the concurrent run.")
 @click.option("--long-context", type=int, default=0,
               help="Prompt length of one long request, on int4 (else the first scheme); 0 skips.")
+@click.option("--long-streams", type=int, default=8, show_default=True,
+              help="Short requests decoding while the long prompt prefills (their time between tokens).")
+@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
+              help="The engine's token budget per step (the long prompt's chunk size).")
 @click.option("--serve", "serve_conc", default="", help="HTTP runs at these concurrencies, e.g. 1,8,32,64.")
 @click.option("--peer-batches", default="1,16", show_default=True, help="transformers generate batches ('' skips).")
 @click.option("--modes", default="sync,async", show_default=True,
@@ -243,7 +247,8 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--config-json", default=None, help="JSON object overriding V2-Lite's config (tiny test models).")
 @click.option("--json", "json_path", default=None, help="Write results here (updated as they come).")
 @kv_cache_dtype_option()
-def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_output, long_context, serve_conc,
+def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_output, long_context, long_streams,
+           max_num_batched_tokens, serve_conc,
            peer_batches, modes, device, config_json, json_path, kv_cache_dtype):
     """Engine decode and throughput on a V2-Lite-shaped random model, BF16/FP8/INT4, beside transformers."""
     from dsquant.bench.random_model import SCHEMES
@@ -257,7 +262,8 @@ def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_ou
         raise click.BadParameter(f"{modes!r}: expected sync and/or async", param_hint="--modes")
     spec = EngineBenchSpec(schemes=names, num_layers=layers, input_len=input_len, batch1_output=batch1_output,
                            concurrency=concurrency, concurrent_output=concurrent_output, long_context=long_context,
-                           long_scheme="int4" if "int4" in names else names[0],
+                           long_scheme="int4" if "int4" in names else names[0], long_streams=long_streams,
+                           max_num_batched_tokens=max_num_batched_tokens,
                            serve_concurrencies=_ints(serve_conc), peer_batches=_ints(peer_batches),
                            modes=mode_names, device=device,
                            config=json.loads(config_json) if config_json else {}, kv_cache_dtype=kv_cache_dtype)

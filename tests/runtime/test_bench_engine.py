@@ -29,3 +29,21 @@ def test_bench_engine_measures_sync_and_async_stepping(tmp_path):
 def test_bench_engine_refuses_an_unknown_mode():
     res = CliRunner().invoke(engine, ARGS + ["--modes", "sync,fast"])
     assert res.exit_code != 0 and "--modes" in res.output
+
+
+def test_bench_engine_long_prompt_beside_short_streams(tmp_path):
+    """A 40-token prompt in chunks of 16 tokens, alone and beside 2 short decoding streams: its TTFT,
+    and the streams' times between tokens during its prefill and alone."""
+    out = tmp_path / "engine.json"
+    args = [a for a in ARGS]
+    args[args.index("--concurrency") + 1] = "0"
+    res = CliRunner().invoke(engine, args + ["--modes", "sync", "--long-context", "40", "--long-streams", "2",
+                                             "--max-num-batched-tokens", "16", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    long = json.loads(out.read_text())["schemes"]["bf16"]["long_context"]
+    assert long["prompt_tokens"] == 40 and long["ttft_s"] > 0 and long["max_num_batched_tokens"] == 16
+    beside = long["beside_streams"]
+    assert beside["streams"] == 2 and beside["long_ttft_s"] > 0
+    assert beside["alone"]["gaps"] > 0 and beside["alone"]["median_ms"] > 0
+    # 40 tokens in 16-token steps, two of them taken by the streams' decodes: at least 2 steps of prefill
+    assert beside["during_prefill"]["gaps"] >= 2 and beside["during_prefill"]["median_ms"] > 0
