@@ -35,6 +35,32 @@ class Router(nn.Module):
         return route(x, self.weight, self.routing, self.e_score_correction_bias)
 
 
+def sum_experts(experts, x, topk_ids, topk_weights, first: int = 0, stop: int | None = None):
+    """x [T, hidden], topk_ids / topk_weights [T, k] -> sum over each token's experts in
+    [first, stop) of weight * expert(x) [T, hidden] (experts: a list indexed by global id; the
+    others may be None, as on a tensor-parallel rank).
+
+    The (token, slot) pairs are sorted by expert once, with one host sync for the counts (calibration
+    runs this for every batch and block-loss candidate: a nonzero per expert synced 64 times).
+    Within an expert the tokens stay in increasing order, and the experts are summed in increasing
+    order, so the result is the per-expert nonzero loop's, bitwise."""
+    stop = len(experts) if stop is None else stop
+    out = torch.zeros_like(x, dtype=torch.float32)
+    flat = topk_ids.flatten()  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k]
+    counts = torch.bincount(flat.long(), minlength=len(experts)).tolist()
+    token = order // topk_ids.shape[1]  # [T*k]
+    weight = topk_weights.flatten()[order, None]  # [T*k, 1]
+    start = 0
+    for e, count in enumerate(counts):
+        if count and first <= e < stop:
+            rows = token[start:start + count]
+            y = experts[e](x[rows])  # [n_e, hidden]
+            out.index_add_(0, rows, y.to(torch.float32) * weight[start:start + count])
+        start += count
+    return out.to(x.dtype)
+
+
 class LoopMoE:
     """Reference experts backend: for each expert hit, run its MLP on its tokens, weight, sum."""
 
@@ -45,25 +71,7 @@ class LoopMoE:
         pass
 
     def experts(self, module: "MoE", x, topk_ids, topk_weights):
-        # x [T, hidden]; topk_ids, topk_weights [T, k]
-        # The (token, slot) pairs sorted by expert once, with one host sync for the counts (calibration
-        # runs this for every batch and block-loss candidate: a nonzero per expert synced 64 times).
-        # Within an expert the tokens stay in increasing order, and the experts are summed in
-        # increasing order, so the result is the per-expert nonzero loop's, bitwise.
-        out = torch.zeros_like(x, dtype=torch.float32)
-        flat = topk_ids.flatten()  # [T*k]
-        order = torch.argsort(flat, stable=True)  # [T*k]
-        counts = torch.bincount(flat.long(), minlength=len(module.experts)).tolist()
-        token = order // topk_ids.shape[1]  # [T*k]
-        weight = topk_weights.flatten()[order, None]  # [T*k, 1]
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                rows = token[start:start + count]
-                y = module.experts[e](x[rows])  # [n_e, hidden]
-                out.index_add_(0, rows, y.to(torch.float32) * weight[start:start + count])
-            start += count
-        return out.to(x.dtype)
+        return sum_experts(module.experts, x, topk_ids, topk_weights)
 
 
 class MoE(nn.Module):

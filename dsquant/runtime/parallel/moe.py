@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dsquant.models.moe import LoopMoE
+from dsquant.models.moe import LoopMoE, sum_experts
 
 
 class ExpertParallel:
@@ -36,11 +36,4 @@ class ExpertParallel:
         return self.inner.experts(module, x, ids, topk_weights * local)
 
     def _loop(self, module, x, topk_ids, topk_weights):
-        out = torch.zeros_like(x, dtype=torch.float32)
-        for e in torch.unique(topk_ids).tolist():
-            if not self.start <= e < self.stop:
-                continue
-            token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
-            y = module.experts[e](x[token])  # [n_e, hidden]
-            out.index_add_(0, token, y.to(torch.float32) * topk_weights[token, slot, None])
-        return out.to(x.dtype)
+        return sum_experts(module.experts, x, topk_ids, topk_weights, self.start, self.stop)
