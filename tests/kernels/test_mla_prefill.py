@@ -139,3 +139,25 @@ def test_long_prefill_goes_unabsorbed_gpu(fmt, heads, monkeypatch):
     _refuse_absorbed(monkeypatch)
     check_attention(fmt, "fused", False, "cuda", torch.bfloat16, **dict(V2_LITE, heads=heads), ctx_lens=[0, 700],
                     q_lens=[1000, 300], block_size=64, tol=GPU_TOL)
+
+
+def test_which_steps_go_unabsorbed():
+    """The FLOP rule and the memory cap of TritonPagedAttention._unabsorbed, on DeepSeek's dims."""
+    from types import SimpleNamespace
+
+    from dsquant.runtime.layers import attention_triton as at
+
+    def step(q_lens, seq_lens, heads=16, decode=False):
+        module = SimpleNamespace(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
+                                 num_heads=heads)
+        ctx = SimpleNamespace(is_decode=decode, q_lens_host=q_lens, seq_lens_host=seq_lens)
+        return at.TritonPagedAttention._unabsorbed(module, ctx)
+
+    assert step([8192], [8192]) and step([8192], [131072])  # a long prompt's first and last chunks
+    assert not step([1] * 8, [4096] * 8, decode=True)  # decode
+    assert not step([1, 1, 20], [32768, 32768, 20])  # a short prompt beside long decodes: expanding costs more
+    assert not step([8192], [131072], heads=128)  # 8.6 GB of expanded keys on one rank: absorbed
+    assert not at.TritonPagedAttention._unabsorbed(SimpleNamespace(qk_nope_head_dim=96, qk_rope_head_dim=64,
+                                                                   v_head_dim=128, kv_lora_rank=512, num_heads=16),
+                                                   SimpleNamespace(is_decode=False, q_lens_host=[512],
+                                                                   seq_lens_host=[512]))  # nope 96: no kernel

@@ -26,6 +26,9 @@ from dsquant.runtime.layers.attention import PagedAttentionBase, PagedContext
 from dsquant.runtime.layers.linear import QuantLinear
 
 
+EXPAND_MAX_BYTES = 2 << 30  # the unabsorbed prefill's per-layer k_nope + v (V2-Lite, 131072 keys: 1.07 GB)
+
+
 class TritonPagedAttention(PagedAttentionBase):
     def __init__(self):
         super().__init__()
@@ -122,15 +125,20 @@ class TritonPagedAttention(PagedAttentionBase):
         """Whether this step's attention costs fewer FLOPs unabsorbed (keys and values expanded from the
         latent once per step, then per-head attention: mla_prefill.py) than absorbed, from the host-known
         lengths. Decode steps stay absorbed; a long prompt's chunks go unabsorbed (3.4x fewer FLOPs per
-        query-key pair at DeepSeek's dims)."""
+        query-key pair at DeepSeek's dims) unless the expanded keys and values would pass
+        EXPAND_MAX_BYTES: the engine's memory profile (a fresh max_num_batched_tokens prefill) does not
+        see them, so a long context on many heads (V3's 128 at one rank) stays absorbed."""
         from dsquant.runtime.kernels.attention.mla_prefill import supported
 
         nope, rope, vdim, rank = module.qk_nope_head_dim, module.qk_rope_head_dim, module.v_head_dim, module.kv_lora_rank
         if ctx.is_decode or not supported(nope, rope, vdim):
             return False
+        keys = sum(ctx.seq_lens_host)
+        if keys * module.num_heads * (nope + vdim) * 2 > EXPAND_MAX_BYTES:  # bf16 k_nope + v, not in the memory profile
+            return False
         pairs = sum(q * (n - q / 2) for q, n in zip(ctx.q_lens_host, ctx.seq_lens_host))  # causal (query, key) pairs
         absorbed = pairs * (2 * rank + rope)
-        unabsorbed = sum(ctx.seq_lens_host) * rank * (nope + vdim) + pairs * (nope + rope + vdim)
+        unabsorbed = keys * rank * (nope + vdim) + pairs * (nope + rope + vdim)
         return unabsorbed < absorbed
 
     def _attend_unabsorbed(self, module, q_nope, q_pe, kv_cache, ctx: PagedContext):
