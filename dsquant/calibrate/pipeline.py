@@ -2,7 +2,7 @@
 
 Only one decoder layer's weights are materialised at a time (host and device); the calibration
 activations [n_samples, seqlen, hidden] stay on the device. Layer i is calibrated on the outputs
-of the already-quantized layers before it. After each layer its shard and the next layer's
+of the already-quantized layers before it (AWQOptions.float_inputs: of the float layers before it). After each layer its shard and the next layer's
 inputs are saved, so an interrupted run resumes where it stopped with identical shards.
 """
 from __future__ import annotations
@@ -106,8 +106,9 @@ def run_quantize(args: QuantizeArgs, progress=None, module_progress=None) -> Qua
     recipe_key = recipe.to_dict()
     if recipe.on_indivisible == "fallback":  # the default: keeps older partial runs resumable
         del recipe_key["on_indivisible"]
-    if not recipe.awq.sequential:  # likewise (the option came later)
-        del recipe_key["awq"]["sequential"]
+    for later in ("sequential", "float_inputs"):  # likewise, options that came later, when off
+        if not recipe_key["awq"][later]:
+            del recipe_key["awq"][later]
     run_key = {"model_dir": str(model_dir.resolve()), "recipe": recipe_key, "calib_sha256": data_hash,
                "n_samples": args.n_samples, "seqlen": args.seqlen, "seed": args.seed,
                "device": device.type}
@@ -144,9 +145,12 @@ def _run_layers(args: QuantizeArgs, model, source, recipe: Recipe, resolved: Res
         load_layer(model, source, i, device, compute_dtype)
         layer, prefix = model.model.layers[i], f"model.layers.{i}"
         inner = None if module_progress is None else (lambda d, t, what, i=i: module_progress(i, d, t, what))
+        # float_inputs: the next layer calibrates on this float layer's output (AutoAWQ's practice), else on the quantized one's
+        float_out = layer_forward(layer, hidden, ctx, args.batch_size) if recipe.awq.float_inputs else None
         result = quantize_layer(layer, prefix, hidden, ctx, recipe, resolved.specs, scale_dtype, args.batch_size,
                                 progress=inner)
-        hidden = layer_forward(layer, hidden, ctx, args.batch_size)
+        hidden = float_out if float_out is not None else layer_forward(layer, hidden, ctx, args.batch_size)
+        del float_out
         writer.write_shard(i, _layer_tensors(layer, prefix, result, fmt),
                            reserve=hidden.numel() * hidden.element_size())
         stats = {"seconds": round(time.time() - t_layer, 3), "errors": result.errors,

@@ -59,8 +59,14 @@ class AWQOptions:
     block_loss: bool = True  # score scales by the decoder layer's output (else the members' outputs)
     inspect_samples: int = 4  # calibration sequences the layer-output loss runs on
     # quantize each scaling group's AWQ / RTN members right after its fold, so later groups' searches
-    # score on a layer whose earlier groups are quantized (calibrate/awq_layer.py); not measured yet
-    sequential: bool = False
+    # score on a layer whose earlier groups are quantized (calibrate/awq_layer.py). SmolLM2-135M AWQ g64
+    # keeps 49.2% / 38.4% of RTN's loss (prose / code) against 57.0% / 41.9% without; the bundled
+    # models' prose moves within noise (dsq-tiny-v3 70.61 against 70.27 over seeds 0-3, RTN 69.96),
+    # their code gains a little (BENCHMARKS.md, issue 20, 2026-12-02)
+    sequential: bool = True
+    # calibrate each layer on the float layers' outputs (AutoAWQ), not the quantized ones' (pipeline.py);
+    # applies to every method of the run. With sequential on SmolLM2: 55.6% / 42.6% of RTN's loss, worse
+    float_inputs: bool = False
 
 
 @dataclass(frozen=True)

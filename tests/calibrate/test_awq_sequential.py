@@ -1,6 +1,7 @@
 """Sequential in-layer AWQ (`awq: {sequential: true}`): the option parses, changes the artifact, and a
 later scaling group's layer-output search runs on a layer whose earlier groups are already quantized;
-a fold into an already-quantized producer (v_proj, up_proj) keeps its codes and the export exact."""
+a fold into an already-quantized producer (v_proj, up_proj) keeps its codes and the export exact.
+`awq: {float_inputs: true}` passes the float layer's output on as the next layer's calibration input."""
 from __future__ import annotations
 
 import pytest
@@ -33,10 +34,13 @@ def _on_grid(w: torch.Tensor) -> bool:
 
 
 def test_sequential_parses_and_rejects_a_non_bool():
-    assert parse_recipe({"default": {"scheme": "awq"}}, "r.yaml").awq.sequential is False
-    assert _recipe(True).awq.sequential is True
+    assert parse_recipe({"default": {"scheme": "awq"}}, "r.yaml").awq.sequential is True  # the default
+    assert _recipe(False).awq.sequential is False
+    assert parse_recipe({"default": {"scheme": "awq"}}, "r.yaml").awq.float_inputs is False
     with pytest.raises(ConfigError, match=r"awq\.sequential: expected a bool, found 'yes'"):
         parse_recipe({"default": {"scheme": "awq"}, "awq": {"sequential": "yes"}}, "r.yaml")
+    with pytest.raises(ConfigError, match=r"awq\.float_inputs: expected a bool, found 1"):
+        parse_recipe({"default": {"scheme": "awq"}, "awq": {"float_inputs": 1}}, "r.yaml")
 
 
 def test_rescale_rows_keeps_codes_and_divides_each_row():
@@ -126,3 +130,24 @@ def test_sequential_changes_the_artifact(models, tmp_path):
         assert shards[False].keys() == shards[True].keys()
         differ = [(f, k) for f, t in shards[False].items() for k in t if not torch.equal(t[k], shards[True][f][k])]
         assert any("qweight" in k or "weight_packed" in k for _, k in differ), (label, differ[:3])
+
+
+@pytest.mark.parametrize("float_inputs", [False, True])
+def test_float_inputs_pass_the_float_layers_output_on(float_inputs, tmp_path, monkeypatch):
+    """awq: {float_inputs: true}: layer i + 1 calibrates on float layer i's output (what the layer gave
+    before it was quantized); off, on the quantized layer's output."""
+    model = write_tiny_v3(tmp_path / "m")
+    seen = []  # per layer: (its calibration input, its float output on it)
+    real = pipeline.quantize_layer
+
+    def spy(layer, prefix, hidden, ctx, *a, **kw):
+        seen.append((hidden.clone(), pipeline.layer_forward(layer, hidden, ctx)))
+        return real(layer, prefix, hidden, ctx, *a, **kw)
+
+    monkeypatch.setattr(pipeline, "quantize_layer", spy)
+    recipe = parse_recipe({"default": {"scheme": "awq", "group_size": 64}, "keep": KEEP,
+                           "awq": {"float_inputs": float_inputs, "grid": 4, "clip_grid": 4}}, "r.yaml")
+    run_quantize(QuantizeArgs(str(model), recipe, str(tmp_path / "out"), n_samples=2, seqlen=64))
+    assert len(seen) >= 2
+    for (_, float_out), (next_input, _) in zip(seen, seen[1:]):
+        assert torch.equal(next_input, float_out) == float_inputs
