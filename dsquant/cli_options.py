@@ -79,6 +79,9 @@ _ENGINE_OPTIONS = [
                       "Default: 0."),
     click.option("--max-num-batched-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
                  help="Tokens one engine step may run (prefill chunks included)."),
+    click.option("--long-prefill-token-threshold", default=0, show_default=True, type=click.IntRange(min=0),
+                 help="Cap a prompt's chunk at this many tokens in steps that also run decodes, so a long "
+                      "prompt does not stall the streams beside it; 0: no cap."),
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
                  help="Reuse the KV blocks of prompt prefixes seen before."),
     click.option("--gpu-memory-utilization", default=0.9, show_default=True,
@@ -92,8 +95,8 @@ _ENGINE_OPTIONS = [
                  help="Jinja chat template: a file path or the template text. Default: the tokenizer's."),
 ]
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "tensor_parallel_size", "async_scheduling", "enforce_eager",
-               "seed", "max_num_batched_tokens", "enable_prefix_caching", "gpu_memory_utilization",
-               "kv_cache_dtype", "tokenizer", "chat_template")
+               "seed", "max_num_batched_tokens", "long_prefill_token_threshold", "enable_prefix_caching",
+               "gpu_memory_utilization", "kv_cache_dtype", "tokenizer", "chat_template")
 
 
 def engine_options(f):
@@ -119,7 +122,9 @@ def engine_config(opts: dict, **extra):
         device=opts["device"], dtype=getattr(torch, dtype) if dtype else None, max_model_len=opts["max_model_len"],
         tensor_parallel_size=opts["tensor_parallel_size"], async_scheduling=opts["async_scheduling"],
         enforce_eager=opts["enforce_eager"], seed=opts["seed"] if opts["seed"] is not None else 0,
-        max_num_batched_tokens=opts["max_num_batched_tokens"], enable_prefix_caching=opts["enable_prefix_caching"],
+        max_num_batched_tokens=opts["max_num_batched_tokens"],
+        long_prefill_token_threshold=opts["long_prefill_token_threshold"],
+        enable_prefix_caching=opts["enable_prefix_caching"],
         gpu_memory_utilization=opts["gpu_memory_utilization"], kv_cache_dtype=opts["kv_cache_dtype"],
         tokenizer=opts["tokenizer"], **extra)
 

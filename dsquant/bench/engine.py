@@ -45,6 +45,7 @@ class EngineBenchSpec:
     long_context: int = 0  # prompt length of the long-context request (0: skip)
     long_scheme: str = "int4"
     long_streams: int = 8  # short streams decoding beside the long prompt (engine_long.py; 0: skip)
+    long_prefill_thresholds: tuple[int, ...] = (0,)  # beside-streams runs, one per long_prefill_token_threshold
     serve_concurrencies: tuple[int, ...] = ()  # HTTP runs for fp8/int4 (empty: skip)
     serve_output: int = 128
     peer_batches: tuple[int, ...] = (1, 16)  # transformers generate (empty: skip)
@@ -235,6 +236,9 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Prompt length of one long request, on int4 (else the first scheme); 0 skips.")
 @click.option("--long-streams", type=int, default=8, show_default=True,
               help="Short requests decoding while the long prompt prefills (their time between tokens).")
+@click.option("--long-prefill-token-threshold", "long_thresholds", default="0", show_default=True,
+              help="The beside-streams run once per value (comma-separated): the long prompt's chunk cap "
+                   "while the streams decode (0: none).")
 @click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
               help="The engine's token budget per step (the long prompt's chunk size).")
 @click.option("--serve", "serve_conc", default="", help="HTTP runs at these concurrencies, e.g. 1,8,32,64.")
@@ -248,7 +252,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--json", "json_path", default=None, help="Write results here (updated as they come).")
 @kv_cache_dtype_option()
 def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_output, long_context, long_streams,
-           max_num_batched_tokens, serve_conc,
+           long_thresholds, max_num_batched_tokens, serve_conc,
            peer_batches, modes, device, config_json, json_path, kv_cache_dtype):
     """Engine decode and throughput on a V2-Lite-shaped random model, BF16/FP8/INT4, beside transformers."""
     from dsquant.bench.random_model import SCHEMES
@@ -263,6 +267,7 @@ def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_ou
     spec = EngineBenchSpec(schemes=names, num_layers=layers, input_len=input_len, batch1_output=batch1_output,
                            concurrency=concurrency, concurrent_output=concurrent_output, long_context=long_context,
                            long_scheme="int4" if "int4" in names else names[0], long_streams=long_streams,
+                           long_prefill_thresholds=_ints(long_thresholds) or (0,),
                            max_num_batched_tokens=max_num_batched_tokens,
                            serve_concurrencies=_ints(serve_conc), peer_batches=_ints(peer_batches),
                            modes=mode_names, device=device,

@@ -8,7 +8,10 @@
    `streams` short prompts (input_len tokens each) alone, then again with the long prompt added
    after them. Each step the scheduler gives decodes their token first and the long prompt the
    rest of the budget; reported are the short streams' times between tokens while the long prompt
-   is prefilling (gaps that end before its first token) against the same streams alone.
+   is prefilling (gaps that end before its first token) against the same streams alone. With
+   several long_prefill_thresholds the mixed run repeats once per value (the scheduler's cap on
+   the long prompt's chunk while the streams run): `beside_streams` is the first, `beside_by_threshold`
+   holds them all.
 """
 from __future__ import annotations
 
@@ -35,13 +38,27 @@ def long_context_runs(engine, spec, vocab: int, long_len: int, kv_bytes_per_bloc
     if not spec.long_streams:
         return out
     shorts = prompts(spec.long_streams, spec.input_len, spec.seed + 4)
-    steps = -(-long_len // max(1, chunk - spec.long_streams)) + 4  # prefill steps, and a few after
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    alone = timed_generate(engine, shorts, params)
-    mixed = timed_generate(engine, shorts + prompts(1, long_len, spec.seed + 5), params)
-    first = mixed.requests[-1].token_times[0]  # the long prompt's first token: its prefill is done
-    during = [b - a for q in mixed.requests[:-1] for a, b in zip(q.token_times, q.token_times[1:]) if b <= first]
-    out["beside_streams"] = {"streams": spec.long_streams, "stream_input_len": spec.input_len,
-                             "long_ttft_s": first - mixed.start, "alone": _ms(alone.token_gaps()),
-                             "during_prefill": _ms(during)}
+    sched = engine.scheduler.config
+    kept = sched.long_prefill_token_threshold
+    runs = []
+    try:
+        for i, threshold in enumerate(spec.long_prefill_thresholds):
+            per_step = min(chunk - spec.long_streams, threshold) if threshold > 0 else chunk - spec.long_streams
+            steps = -(-long_len // max(1, per_step)) + 4  # prefill steps, and a few after
+            params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+            sched.long_prefill_token_threshold = 0
+            alone = timed_generate(engine, shorts, params)
+            sched.long_prefill_token_threshold = threshold
+            # a fresh long prompt per run: the prefix cache holds the previous one
+            mixed = timed_generate(engine, shorts + prompts(1, long_len, spec.seed + 5 + 100 * i), params)
+            first = mixed.requests[-1].token_times[0]  # the long prompt's first token: its prefill is done
+            during = [b - a for q in mixed.requests[:-1] for a, b in zip(q.token_times, q.token_times[1:])
+                      if b <= first]
+            runs.append({"streams": spec.long_streams, "stream_input_len": spec.input_len,
+                         "long_prefill_token_threshold": threshold, "long_ttft_s": first - mixed.start,
+                         "alone": _ms(alone.token_gaps()), "during_prefill": _ms(during)})
+    finally:
+        sched.long_prefill_token_threshold = kept
+    out["beside_streams"] = runs[0]
+    out["beside_by_threshold"] = runs
     return out

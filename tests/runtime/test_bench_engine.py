@@ -38,7 +38,8 @@ def test_bench_engine_long_prompt_beside_short_streams(tmp_path):
     args = [a for a in ARGS]
     args[args.index("--concurrency") + 1] = "0"
     res = CliRunner().invoke(engine, args + ["--modes", "sync", "--long-context", "40", "--long-streams", "2",
-                                             "--max-num-batched-tokens", "16", "--json", str(out)])
+                                             "--max-num-batched-tokens", "16", "--long-prefill-token-threshold",
+                                             "0,4", "--json", str(out)])
     assert res.exit_code == 0, res.output
     long = json.loads(out.read_text())["schemes"]["bf16"]["long_context"]
     assert long["prompt_tokens"] == 40 and long["ttft_s"] > 0 and long["max_num_batched_tokens"] == 16
@@ -47,3 +48,8 @@ def test_bench_engine_long_prompt_beside_short_streams(tmp_path):
     assert beside["alone"]["gaps"] > 0 and beside["alone"]["median_ms"] > 0
     # 40 tokens in 16-token steps, two of them taken by the streams' decodes: at least 2 steps of prefill
     assert beside["during_prefill"]["gaps"] >= 2 and beside["during_prefill"]["median_ms"] > 0
+    capped = long["beside_by_threshold"][1]
+    assert long["beside_by_threshold"][0] == beside and capped["long_prefill_token_threshold"] == 4
+    # every chunk capped at 4 (the streams' 16-token prompts too): 10 steps of long prefill, the last 6
+    # of them beside the streams' decodes, so at least 5 gaps per stream end before its first token
+    assert capped["during_prefill"]["gaps"] >= 2 * 5 > beside["during_prefill"]["gaps"]

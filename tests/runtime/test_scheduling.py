@@ -115,3 +115,54 @@ def test_stop_token_and_max_model_len(async_scheduling, tiny_models):
     short = engine(path, max_model_len=12, async_scheduling=async_scheduling)
     eng_out = run_all(short, [prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert eng_out == free_run[:2]  # 10 prompt tokens + 2 generated reach max_model_len
+
+
+def _step(sched, batch):
+    """Mark a scheduled batch computed, as the engine does after a step (a sampled token appended)."""
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(1)
+
+
+@pytest.mark.parametrize("threshold", [0, 16])
+def test_long_prefill_token_threshold_caps_chunks_only_beside_others(threshold):
+    """A 300-token prompt under a 64-token budget: alone it takes the whole budget; once two short
+    prompts arrive its chunk is capped at the threshold, which lets them in and, once they decode,
+    keeps the steps beside them short. With no threshold the long prompt holds the whole budget and
+    the short ones wait for its prefill to end."""
+    from dsquant.runtime.engine.block_manager import BlockManager
+    from dsquant.runtime.engine.scheduler import Scheduler, SchedulerConfig
+    from dsquant.runtime.engine.sequence import Sequence
+
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
+                                      long_prefill_token_threshold=threshold), BlockManager(256, 4))
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    sched.add(Sequence(0, "long", list(range(300)), params))
+    first = sched.schedule()
+    assert first.num_new_tokens == [64]  # alone: the whole budget
+    _step(sched, first)
+    for i in (1, 2):
+        sched.add(Sequence(i, f"s{i}", [7, 8, 9], params))
+    steps = []
+    for _ in range(3):
+        batch = sched.schedule()
+        steps.append(list(zip([s.request_id for s in batch.seqs], batch.num_new_tokens)))
+        _step(sched, batch)
+    if threshold:
+        assert steps == [[("long", 16), ("s1", 3), ("s2", 3)],
+                         [("s1", 1), ("s2", 1), ("long", 16)], [("s1", 1), ("s2", 1), ("long", 16)]]
+    else:
+        assert steps == [[("long", 64)], [("long", 64)], [("long", 64)]]
+
+
+def test_long_prefill_token_threshold_keeps_greedy_tokens(tiny_models):
+    """Chunks capped at 8 tokens beside other requests give each prompt its solo tokens, no leak."""
+    _, path = tiny_models["deepseek_v2"]
+    prompts = random_prompts(6, [40, 3, 29, 7], seed=5)
+    eng = engine(path, long_prefill_token_threshold=8)
+    batched = run_all(eng, prompts)
+    assert_no_leak(eng)
+    solo = engine(path, enable_prefix_caching=False)
+    for i in (0, 2):
+        assert run_all(solo, [prompts[i]]) == [batched[i]], f"prompt {i}"

@@ -16,6 +16,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # > 0: a prefill chunk beside decodes is capped at it (scheduler.py)
     max_model_len: int | None = None  # None: config's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -79,7 +79,8 @@ class LLMEngine:
             raise
         self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, max_model_len,
-                                                   c.enable_chunked_prefill), self.block_manager)
+                                                   c.enable_chunked_prefill, c.long_prefill_token_threshold),
+                                   self.block_manager)
         self.max_model_len = max_model_len
         self.device = device
         self.tokenizer = backend_tokenizer(Path(c.tokenizer) if c.tokenizer else self.path)

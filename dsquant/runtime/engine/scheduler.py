@@ -3,9 +3,14 @@
 Each step gets a token budget (max_num_batched_tokens). Running sequences go first, decodes
 before unfinished prefills, one token per decode and the largest chunk that fits per prefill;
 then waiting sequences are admitted in arrival order (up to max_num_seqs running), their prompt
-minus any prefix-cache hit cut into a chunk that fits. When a running sequence needs a block and
-none is free, the most recently admitted running sequence is preempted: its blocks are freed and
-it waits at the head of the queue to be recomputed (prompt + tokens generated so far).
+minus any prefix-cache hit cut into a chunk that fits. With long_prefill_token_threshold > 0, each
+prefill's chunk is capped at that many tokens while another request runs or waits, so a long prompt
+neither stalls the streams decoding beside it (a step's time grows with its chunk) nor keeps new
+requests out of the budget; a prompt with nothing beside it takes the whole budget (vLLM's flag of
+that name caps long prefills always).
+When a running sequence needs a block and none is free, the most recently admitted running
+sequence is preempted: its blocks are freed and it waits at the head of the queue to be
+recomputed (prompt + tokens generated so far).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # > 0: a prefill chunk beside decodes takes at most this many tokens
 
 
 @dataclass
@@ -93,6 +99,14 @@ class Scheduler:
             need += max(0, -(-end // bs) - len(seq.block_table))
         return need <= self.block_manager.num_free_blocks
 
+    def _chunk_cap(self, budget: int) -> int:
+        """Tokens the next prefill chunk may take: the budget left, capped at long_prefill_token_threshold
+        while another request is running or waiting."""
+        cap = self.config.long_prefill_token_threshold
+        if cap > 0 and len(self.running) + len(self.waiting) > 1:
+            return min(budget, cap)
+        return budget
+
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
@@ -101,7 +115,7 @@ class Scheduler:
         for seq in decodes + prefills:
             if budget <= 0 or seq.status is not SequenceStatus.RUNNING:  # preempted meanwhile, or ENDING
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, self._chunk_cap(budget))
             if n < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
                 continue
             if not self._reserve(seq, n, batch.seqs):
@@ -116,7 +130,7 @@ class Scheduler:
             # prompt_logprobs need logits at every prompt position: no prefix-cache hits
             hits = bm.match_prefix(seq) if seq.prompt_logprobs is None else []
             todo = seq.num_tokens - len(hits) * bm.block_size
-            n = min(todo, budget)
+            n = min(todo, self._chunk_cap(budget))
             if n < todo and not self.config.enable_chunked_prefill:
                 break
             # hit blocks sitting in the free list are taken out of it by `admit`
