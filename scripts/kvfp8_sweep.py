@@ -5,7 +5,7 @@
 For the GQA decode kernel (B 32, Hq 32, Hkv 8, D 128) and the MLA decode kernel (16 and 128 heads,
 B 32, latent 512 + rope 64), at L 4096 and 32768, block size 64: every launch config of a small grid
 for the bf16 cache and for the FP8 cache (bf16 dots, fp16 dots, and for MLA the scale-folding
-kernel), each a CUDA-graph median, with the compiled kernel's registers and spills. The FP8 rows'
+kernel and the prefetching one, mla_decode_fp8_prefetch.py), each a CUDA-graph median, with the compiled kernel's registers and spills. The FP8 rows'
 outputs are checked against the bf16 cache's (the e4m3 rounding: a few 1e-2). Rows are written as
 they come, so a run cut short by its budget still leaves every row it measured.
 """
@@ -26,6 +26,8 @@ from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig, mla_de
 from dsquant.runtime.kernels.attention.paged_decode import DecodeConfig, paged_decode_attention
 
 BS = 64
+# bf16 cache; FP8 dequantizing kernel (bf16 / fp16 dots), scale-folding kernel, prefetching kernel (bf16 / fp16)
+MLA_KINDS = ["bf16", "fp8", "fp8_f16", "fp8_folded", "fp8_prefetch", "fp8_prefetch_f16"]
 KERNELS = [paged_decode._paged_decode_gqa_kernel, mla_decode._mla_decode_kernel, mla_decode_fp8.mla_decode_fp8_kernel]
 
 
@@ -121,11 +123,12 @@ def mla_rows(heads, length, rep_ms, gen, emit, deadline):
     block_hs = (0,) if heads <= 16 else (32, 64)
     block_ns = (16, 32, 64) if heads <= 16 else (16, 32)
     for bn, w, st, bh in itertools.product(block_ns, warps, (1, 2), block_hs):
-        for kind in ("bf16", "fp8", "fp8_f16", "fp8_folded"):
+        for kind in MLA_KINDS:
             if time.time() > deadline:
                 return
             c = MLADecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st,
-                                fold_fp8_scales=kind == "fp8_folded", fp8_f16_dots=kind == "fp8_f16")
+                                fold_fp8_scales=kind == "fp8_folded", fp8_f16_dots=kind.endswith("f16"),
+                                fp8_prefetch=kind.startswith("fp8_prefetch"))
             out = torch.full_like(q_abs, float("nan"))
             kv = cache if kind == "bf16" else cache8
             fn = lambda c=c, kv=kv: mla_decode_attention(q_abs, q_pe, kv, table, lens, scale,  # noqa: E731
@@ -146,6 +149,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--rep-ms", type=int, default=30)
     ap.add_argument("--only", default="gqa,mla16,mla128")
+    ap.add_argument("--mla-kinds", default=",".join(MLA_KINDS), help="MLA cache/kernel kinds to time")
+    ap.add_argument("--lengths", default="32768,4096")
     args = ap.parse_args()
     deadline = time.time() + args.budget_s
     rows = []
@@ -159,7 +164,8 @@ def main():
 
     torch.manual_seed(0)
     parts = args.only.split(",")
-    for length in (32768, 4096):
+    MLA_KINDS[:] = args.mla_kinds.split(",")
+    for length in (int(x) for x in args.lengths.split(",")):
         if "gqa" in parts:
             gqa_rows(length, args.rep_ms, gen, emit, deadline)
         for heads in (16, 128):

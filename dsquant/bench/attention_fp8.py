@@ -51,7 +51,7 @@ def _mla(heads, batch, length, block_size, gen, dev="cuda") -> list[Row]:
     import torch
 
     from dsquant.runtime.kernels.attention.kv_fp8_layout import mla_fp8_token_bytes, quantize_mla_fp8
-    from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig, mla_decode_attention
+    from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig, default_config, mla_decode_attention
 
     latent = torch.randn(batch, length, RANK + ROPE, device=dev, dtype=torch.bfloat16)  # [B, L, 576]
     cache, table = _paged_copy(latent, block_size, gen)
@@ -66,7 +66,7 @@ def _mla(heads, batch, length, block_size, gen, dev="cuda") -> list[Row]:
     def bf16():
         return mla_decode_attention(q_abs, q_pe, cache, table, lens, scale, max_seq_len=length, out=out)
 
-    def fp8(config=MLADecodeConfig()):
+    def fp8(config=None):  # None: mla_decode.default_config (FP8_CONFIG at <= 16 heads)
         return mla_decode_attention(q_abs, q_pe, cache8, table, lens, scale, max_seq_len=length, out=out8,
                                     config=config)
 
@@ -74,8 +74,10 @@ def _mla(heads, batch, length, block_size, gen, dev="cuda") -> list[Row]:
     (g, e), (pg, pe) = _time(fp8), _time(bf16)
     bytes_read = batch * length * mla_fp8_token_bytes(RANK, ROPE)
     what = f"H={heads} B={batch} L={length} bs={block_size}"
-    rows = [Row("mla_fp8", what, g, e, pg, pe, pg / g, bytes_read / g / 1e3, "GB/s", check, str(MLADecodeConfig()))]
-    for kind, config in (("mla_fp8_folded", MLADecodeConfig(fold_fp8_scales=True)),
+    rows = [Row("mla_fp8", what, g, e, pg, pe, pg / g, bytes_read / g / 1e3, "GB/s", check,
+                str(default_config(cache8, heads)))]
+    for kind, config in (("mla_fp8_dequant", MLADecodeConfig()),
+                         ("mla_fp8_folded", MLADecodeConfig(fold_fp8_scales=True)),
                          ("mla_fp8_folded_f16", MLADecodeConfig(fold_fp8_scales=True, fp8_f16_dots=True))):
         check = _rel(fp8(config), bf16())
         (g, e) = _time(lambda config=config: fp8(config))

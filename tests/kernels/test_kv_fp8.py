@@ -237,12 +237,14 @@ def _check_mla(device, dtype, seq_lens, block_size, heads, rank, rope, config):
 # R <= 512; R = 1024 keeps the dequantizing kernel), with fp16 dots too
 @pytest.mark.parametrize("rank", [128, 256, 512, 1024])
 @pytest.mark.parametrize("heads,splits", [(4, 1), (20, 3)])  # a partial head tile; split-KV merge
-@pytest.mark.parametrize("fold,f16", [(False, False), (False, True), (True, False), (True, True)])
-def test_mla_decode_fp8_cpu(rank, heads, splits, fold, f16, device):
+@pytest.mark.parametrize("fold,f16,prefetch", [(False, False, False), (False, True, False), (True, False, False),
+                                               (True, True, False), (False, False, True), (False, True, True)])
+def test_mla_decode_fp8_cpu(rank, heads, splits, fold, f16, prefetch, device):
+    """prefetch: mla_decode_fp8_prefetch.py's kernel (the next tile's loads carried one iteration ahead)."""
     from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig
 
     config = MLADecodeConfig(block_h=16, block_n=16, num_stages=1, num_splits=splits, fold_fp8_scales=fold,
-                             fp8_f16_dots=f16)
+                             fp8_f16_dots=f16, fp8_prefetch=prefetch)
     _check_mla(device, torch.float16, [1, 32, 16 * 3 + 5], 16, heads, rank, 16, config)
 
 
@@ -278,3 +280,15 @@ def test_fp8_read_kernels_gpu(dtype, device):
         _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig(fp8_f16_dots=True))
         _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig(fold_fp8_scales=True))
         _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig(fold_fp8_scales=True, fp8_f16_dots=True))
+        _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig(fp8_prefetch=True))
+        _check_mla(device, dtype, lens, 64, heads, 512, 64, MLADecodeConfig(fp8_prefetch=True, fp8_f16_dots=True))
+
+
+def test_mla_fp8_default_config():
+    """An FP8 cache with <= 16 heads takes the prefetching kernel over 16-token tiles (FP8_CONFIG); more
+    heads, or a bf16 cache, keep MLADecodeConfig()."""
+    from dsquant.runtime.kernels.attention.mla_decode import FP8_CONFIG, MLADecodeConfig, default_config
+
+    fp8_cache, bf16_cache = torch.zeros(2, 16, 656, dtype=torch.uint8), torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    assert default_config(fp8_cache, 16) == FP8_CONFIG and FP8_CONFIG.fp8_prefetch and FP8_CONFIG.block_n == 16
+    assert default_config(fp8_cache, 128) == MLADecodeConfig() == default_config(bf16_cache, 16)

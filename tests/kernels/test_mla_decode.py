@@ -48,6 +48,14 @@ def test_mla_decode_cpu(block_size, heads, block_h, splits, device):
     _check(device, torch.float16, seq_lens, block_size, heads, 64, 16, config, atol=2e-3)
 
 
+def test_mla_decode_long_context_many_splits(device):
+    """128 splits over a 5000-token context: past 64 x LONG_SPLIT_TOKENS' worth of splits the kernel
+    takes longer ones (here 80 tokens: cdiv(5000, 64) rounded to block_n), so fewer than 128 are live;
+    every key is still read exactly once, beside a short sequence in the same launch."""
+    config = MLADecodeConfig(block_h=16, block_n=16, num_stages=1, num_splits=128)
+    _check(device, torch.float16, [5000, 70], 16, 4, 64, 16, config, atol=2e-3)
+
+
 def test_mla_decode_graph_max_seq_len(device):
     """Under a CUDA graph max_seq_len is max_model_len: the splits it sizes for a long context must
     still cover short sequences, each spreading its own length over them (partial merge included)."""
@@ -134,7 +142,8 @@ def test_mla_decode_gpu_forced_splits(splits, device):
 
 
 @pytest.mark.parametrize("heads,batch,length,expected", [
-    (16, 1, 4096, 32), (16, 1, 32768, 64), (16, 32, 4096, 8), (16, 32, 32768, 32), (16, 64, 4096, 8),
+    (16, 1, 4096, 32), (16, 1, 32768, 256), (16, 1, 131072, 256), (16, 2, 131072, 128), (16, 4, 131072, 64),
+    (16, 32, 4096, 8), (16, 32, 32768, 32), (16, 64, 4096, 8),
     (16, 64, 32768, 32), (128, 1, 4096, 32), (128, 32, 4096, 8), (128, 32, 32768, 8), (128, 64, 8192, 4),
     (16, 4, 100, 16), (16, 1, 776, 16), (16, 64, 776, 4),
 ])

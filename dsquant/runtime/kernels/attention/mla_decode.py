@@ -39,6 +39,7 @@ import triton.language as tl
 from dsquant.errors import DsquantError
 from dsquant.runtime.kernels.attention.kv_fp8_layout import MLA_GROUP, fp8_rope_dtype, mla_fp8_token_bytes, mla_fp8_views
 from dsquant.runtime.kernels.attention.mla_decode_fp8 import MAX_GROUPS, mla_decode_fp8_kernel
+from dsquant.runtime.kernels.attention.mla_decode_fp8_prefetch import mla_decode_fp8_prefetch_kernel
 from dsquant.runtime.kernels.attention.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
 
 LOG2E = 1.4426950408889634
@@ -55,6 +56,7 @@ class MLADecodeConfig:
     fold_fp8_scales: bool = False  # FP8 cache: mla_decode_fp8.py's kernel (R <= 512) instead of dequantized
     # tiles; off: on the H200 it ran 5-16% slower (BENCHMARKS.md, FP8 KV cache)
     fp8_f16_dots: bool = False  # FP8 cache: both dots in fp16, the tiles dequantized in fp16 (an experiment)
+    fp8_prefetch: bool = False  # FP8 cache: mla_decode_fp8_prefetch.py's kernel (the next tile loaded ahead)
 
 
 @triton.jit
@@ -69,14 +71,14 @@ def _mla_decode_kernel(
     part_out_ptr, part_lse_ptr,  # [B, H, S, R], [B, H, S] float32 (IS_SPLIT)
     scale_log2, num_splits, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LONG_MIN: tl.constexpr,
     KV_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N)
+    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N, LONG_MIN)
 
     r = tl.arange(0, RANK)
     p = tl.arange(0, ROPE)
@@ -162,6 +164,12 @@ def _check(q_nope, q_pe, kv_cache, block_table, seq_lens) -> None:
                            f"B={q_nope.shape[0]}, got {block_table.dtype} {tuple(block_table.shape)}, {seq_lens.dtype}")
 
 
+# a context of 64 x 256 tokens or more goes in splits of at least 256 (split_kv_merge.split_bounds): batch 1
+# launches 256 splits, which at 128K read 512 tokens each (1.0 -> 1.8 TB/s against 64 splits), and at 32K
+# 128 live splits of 256 tokens ran 36.4 us per layer against 43.0 for 256 of 128 (H200, mla_long_sweep.py)
+LONG_SPLIT_TOKENS = 256
+
+
 def default_block_h(num_heads: int) -> int:
     """Heads per program: 16 fills the dot's rows for V2-Lite's 16 heads; with V3's 128 heads the kernel
     is bound by tensor-core work (2 x 1088 FLOP per head per 1152-byte token), and 64 heads per
@@ -172,13 +180,17 @@ def default_block_h(num_heads: int) -> int:
 def choose_mla_splits(programs: int, block_h: int, block_n: int, max_seq_len: int, sms: int) -> int:
     """Splits per sequence, a power of two (whole waves on 132 SMs; 9 splits ran 10% slower than 8).
 
-    With 16 heads per program the kernel is bandwidth-bound: splits of about 512 to 1024 tokens
-    (at most 32) keep enough loads in flight, and their partial outputs (block_h x 512 float32,
-    written then read back by the merge) stay near a tenth of the latent read. With 64 heads per
+    With 16 heads per program the kernel is bandwidth-bound: about two waves of programs, up to 256
+    splits (the layer core at 128K context: batch 1 81.7 us with 256 splits against 160.7 with 64,
+    batch 2 best at 128, batch 4 at 64; scripts/mla_long_sweep.py, H200, 2026-12-02), and splits of
+    512 to 1024 tokens (at least 32 when the context allows) keep enough loads in flight, and their
+    partial outputs (block_h x 512 float32, written then read back by the merge) stay near a tenth
+    of the latent read. With 64 heads per
     program it is bound by tensor-core work and splits only need to fill the SMs. Picked from the
     H200 sweep of 2026-11-29 (BENCHMARKS.md, `dsquant bench attention --sweep`).
     """
-    splits = choose_num_splits(programs, max_seq_len, 4 * block_n, sms, waves=2 if block_h <= 16 else 4)
+    splits = choose_num_splits(programs, max_seq_len, 4 * block_n, sms, waves=2 if block_h <= 16 else 4,
+                               max_splits=256 if block_h <= 16 else 64)
     if block_h <= 16:
         splits = max(splits, min(32, max_seq_len // 512))
         # a few sequences: at least 16 splits (or a wave), whatever max_seq_len says. Each sequence
@@ -188,6 +200,16 @@ def choose_mla_splits(programs: int, block_h: int, block_n: int, max_seq_len: in
         # splits 23-26 us, 8 splits 40 us; scripts/mla_sweep.py)
         splits = max(splits, min(16, -(-2 * sms // programs)))
     return 1 << (max(1, splits).bit_length() - 1)
+
+
+# FP8 cache with <= 16 heads: the prefetching kernel over 16-token tiles, 747.8 us at V2-Lite's 16 heads, B 32,
+# L 32768 against 849.5 for the dequantizing kernel's default (H200, scripts/kvfp8_sweep.py, 2026-12-02)
+FP8_CONFIG = MLADecodeConfig(block_n=16, fp8_prefetch=True)
+
+
+def default_config(kv_cache: torch.Tensor, heads: int) -> MLADecodeConfig:
+    """The launch config when the caller gives none: FP8_CONFIG for an FP8 cache and <= 16 heads."""
+    return FP8_CONFIG if kv_cache.dtype == torch.uint8 and heads <= 16 else MLADecodeConfig()
 
 
 def _launch_plan(q_nope, kv_cache, max_seq_len, config: MLADecodeConfig, block_table):
@@ -214,6 +236,8 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
         latent, scales, pe = kv_cache[..., :rank], kv_cache, kv_cache[..., rank:]  # scales unused
     folded = fp8 and config.fold_fp8_scales and scales.shape[-1] <= MAX_GROUPS  # the scales folded into the dots (mla_decode_fp8.py)
     kernel = mla_decode_fp8_kernel if folded else _mla_decode_kernel
+    if fp8 and not folded and config.fp8_prefetch:
+        kernel = mla_decode_fp8_prefetch_kernel
     fp8_args = {"F16_DOTS": config.fp8_f16_dots} if folded else {"KV_FP8": fp8, "F16": fp8 and config.fp8_f16_dots}
     kernel[(batch, head_blocks, splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1),
@@ -226,20 +250,22 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
         part_out, part_lse,
         scale * LOG2E, splits, heads,
         RANK=rank, ROPE=q_pe.shape[2], BLOCK_H=block_h, BLOCK_SIZE=kv_cache.shape[1], BLOCK_N=config.block_n,
-        IS_SPLIT=is_split, GROUPS=max(1, scales.shape[-1]) if fp8 else 1, GROUP=MLA_GROUP,
+        IS_SPLIT=is_split, LONG_MIN=LONG_SPLIT_TOKENS, GROUPS=max(1, scales.shape[-1]) if fp8 else 1,
+        GROUP=MLA_GROUP,
         num_warps=num_warps, num_stages=config.num_stages, **fp8_args,
     )
 
 
 def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         max_seq_len: int | None = None, config: MLADecodeConfig = MLADecodeConfig(),
+                         max_seq_len: int | None = None, config: MLADecodeConfig | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA attention -> out [B, H, R] in latent space (see the module docstring).
 
     max_seq_len (host int, an upper bound of seq_lens, e.g. max_model_len under a CUDA graph) only
     sizes the number of splits; each sequence spreads its own length over them."""
     _check(q_nope, q_pe, kv_cache, block_table, seq_lens)
+    config = config or default_config(kv_cache, q_nope.shape[1])
     if out is None:
         out = torch.empty_like(q_nope)
     plan = _launch_plan(q_nope, kv_cache, max_seq_len, config, block_table)
@@ -260,11 +286,12 @@ def _partials(q_nope: torch.Tensor, splits: int):
 
 def mla_decode_split(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     max_seq_len: int | None = None, config: MLADecodeConfig = MLADecodeConfig()):
+                     max_seq_len: int | None = None, config: MLADecodeConfig | None = None):
     """The split-KV partial results, unmerged: (part_out [B, H, S, R], part_lse [B, H, S]) float32,
     or None when the plan has a single split (then call mla_decode_attention). For a caller that
     merges with its own epilogue (mla_absorb.mla_merge_uv folds W_UV into the merge)."""
     _check(q_nope, q_pe, kv_cache, block_table, seq_lens)
+    config = config or default_config(kv_cache, q_nope.shape[1])
     plan = _launch_plan(q_nope, kv_cache, max_seq_len, config, block_table)
     if plan[3] == 1:
         return None

@@ -48,14 +48,14 @@ def mla_decode_fp8_kernel(
     part_out_ptr, part_lse_ptr,  # [B, H, S, R], [B, H, S] float32 (IS_SPLIT)
     scale_log2, num_splits, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LONG_MIN: tl.constexpr,
     GROUPS: tl.constexpr, GROUP: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N)
+    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N, LONG_MIN)
 
     c = tl.arange(0, GROUP)
     p = tl.arange(0, ROPE)
