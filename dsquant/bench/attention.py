@@ -135,6 +135,10 @@ def _mla_decode(heads, batch, length, block_size, peer_gb, sweep, gen, dev="cuda
                pg / g if pg else None, bytes_read / g / 1e3, "GB/s", check, str(MLADecodeConfig()), *_best(tried))
 
 
+PREFILL_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3),
+                 (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2)]  # (block_m, block_n, num_warps, num_stages)
+
+
 def _gqa_prefill(batch, hq, hkv, length, dim, block_size, sweep, gen, dev="cuda") -> Row:
     import torch
     import torch.nn.functional as F
@@ -166,8 +170,7 @@ def _gqa_prefill(batch, hq, hkv, length, dim, block_size, sweep, gen, dev="cuda"
     (g, e), (pg, pe) = _time(ours), _time(peer)
     tried = []
     if sweep:
-        tried = _sweep(ours, [PrefillConfig(*c) for c in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3),
-                                                          (128, 64, 8, 2), (64, 64, 4, 4), (128, 128, 8, 2)]])
+        tried = _sweep(ours, [PrefillConfig(*c) for c in PREFILL_SWEEP])
     flops = 4 * batch * hq * dim * length * (length + 1) / 2
     return Row("gqa_prefill", f"B={batch} Hq={hq} Hkv={hkv} L={length} D={dim} bs={block_size}", g, e, pg, pe,
                pg / g, flops / g / 1e6, "TFLOP/s", check, str(PrefillConfig()), *_best(tried))
