@@ -10,7 +10,9 @@
 #               tests/runtime without -m gpu, at full size), trained (the trained-model GPU accuracy test)
 #   main job:   demo (dsquant demo --device cuda, then a CPU validate of the same artifacts)
 #   kernels:    gemm, gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe, attention,
-#               kvfp8 (FP8-KV-cache decode rows), kvsweep (their launch configs: scripts/kvfp8_sweep.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
+#               kvfp8 (FP8-KV-cache decode rows), kvsweep (their launch configs: scripts/kvfp8_sweep.py),
+#               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), prefill (GQA prefill
+#               configs against SDPA: scripts/prefill_sweep.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
 #   engine:     engine, enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
 #               prompt; long32: 32768), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
 #               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split)
@@ -95,6 +97,9 @@ rows = fp8_rows(64, torch.Generator().manual_seed(0), lambda r: _print([r]))
 write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1 ;;
     kvsweep) timeout "${KVS_S:-360}" python3 scripts/kvfp8_sweep.py "$OUT/kvsweep.json" --budget-s "${KVS_BUDGET:-320}" \
         ${KVS_ARGS:-} > "$OUT/kvsweep.txt" 2>&1 ;;
+    mlalong) timeout "${MLALONG_S:-200}" python3 scripts/mla_long_sweep.py "$OUT/mlalong.json" --budget-s "${MLALONG_BUDGET:-150}" \
+        > "$OUT/mlalong.txt" 2>&1 ;;
+    prefill) timeout "${PREFILL_S:-200}" python3 scripts/prefill_sweep.py "$OUT/prefill.json" > "$OUT/prefill.txt" 2>&1 ;;
     probe) timeout 120 python3 scripts/fp8_cublas_probe.py "$OUT/fp8-cublas-probe.json" > "$OUT/probe.txt" 2>&1 ;;
     cache) tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . ;;
     engine) timeout "${ENGINE_S:-300}" python3 -m dsquant bench engine ${ENGINE_ARGS:---schemes int4,bf16,fp8 --modes async} \
@@ -105,7 +110,8 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
             --peer-batches "" --serve ${SERVE_C:-1,8,32,64} --json "$OUT/serve.json" > "$OUT/serve.txt" 2>&1 ;;
     long|long32) n=131072; [ "$step" = long32 ] && n=32768
         timeout "${LONG_S:-150}" python3 -m dsquant bench engine --schemes "${LONG_SCHEMES:-int4}" --concurrency 0 \
-            --batch1-output 8 --long-context $n --peer-batches "" --json "$OUT/$step.json" > "$OUT/$step.txt" 2>&1 ;;
+            --batch1-output 8 --long-context $n --peer-batches "" ${LONG_ARGS:-} --json "$OUT/$step.json" \
+            > "$OUT/$step.txt" 2>&1 ;;
     profile) timeout "${PROFILE_S:-150}" python3 scripts/gpu_engine_profile.py "$OUT" ${PROFILE_SCHEMES:-bf16 int4} \
             > "$OUT/profile.txt" 2>&1 ;;
     v3) timeout "${V3_S:-330}" python3 scripts/calib_plan.py "$OUT/calib-plan-v3.json" --workdir "$W/v3" \
@@ -139,7 +145,7 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/gpukernels.txt "$OUT"/gpurest.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
-for f in variance variancepin kvfp8 gemm moe engine enginefull serve long long32 attention v3; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+for f in variance variancepin kvfp8 gemm moe engine enginefull serve long long32 attention v3 mlalong prefill; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
 # what comes back is limited in files: everything in one archive (steps.txt beside it)
