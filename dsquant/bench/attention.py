@@ -85,7 +85,7 @@ def _mla_decode(heads, batch, length, block_size, peer_gb, sweep, gen, dev="cuda
     import torch
     import torch.nn.functional as F
 
-    from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig, mla_decode_attention
+    from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig, default_config, mla_decode_attention
 
     bf16 = torch.bfloat16 if dev == "cuda" else torch.float16
     latent = torch.randn(batch, length, RANK + ROPE, device=dev, dtype=bf16)  # [B, L, 576]
@@ -99,7 +99,7 @@ def _mla_decode(heads, batch, length, block_size, peer_gb, sweep, gen, dev="cuda
     scale = YARN_MSCALE**2 / math.sqrt(NOPE + ROPE)
     out = torch.empty_like(q_abs)
 
-    def ours(config=MLADecodeConfig()):
+    def ours(config=None):  # None: mla_decode.default_config
         return mla_decode_attention(q_abs, q_pe, cache, table, lens, scale, max_seq_len=length, config=config, out=out)
 
     g, e = _time(ours)
@@ -132,7 +132,8 @@ def _mla_decode(heads, batch, length, block_size, peer_gb, sweep, gen, dev="cuda
         tried = _sweep(ours, configs)
     bytes_read = batch * length * (RANK + ROPE) * 2
     return Row("mla_decode", f"H={heads} B={batch} L={length} bs={block_size}", g, e, pg, pe,
-               pg / g if pg else None, bytes_read / g / 1e3, "GB/s", check, str(MLADecodeConfig()), *_best(tried))
+               pg / g if pg else None, bytes_read / g / 1e3, "GB/s", check, str(default_config(cache, heads)),
+               *_best(tried))
 
 
 PREFILL_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3),

@@ -205,11 +205,19 @@ def choose_mla_splits(programs: int, block_h: int, block_n: int, max_seq_len: in
 # FP8 cache with <= 16 heads: the prefetching kernel over 16-token tiles, 747.8 us at V2-Lite's 16 heads, B 32,
 # L 32768 against 849.5 for the dequantizing kernel's default (H200, scripts/kvfp8_sweep.py, 2026-12-02)
 FP8_CONFIG = MLADecodeConfig(block_n=16, fp8_prefetch=True)
+# bf16 cache, > 16 heads (64 per program): 64-token tiles, 1287.7 us at V3's 128 heads, B 32, L 32768 against
+# 1835.8 with 32 (H200, bench attention --sweep, 2026-11-29 and 2026-12-02 alike; faster at every bench shape
+# but B 1 L 4096)
+WIDE_CONFIG = MLADecodeConfig(block_n=64)
 
 
 def default_config(kv_cache: torch.Tensor, heads: int) -> MLADecodeConfig:
-    """The launch config when the caller gives none: FP8_CONFIG for an FP8 cache and <= 16 heads."""
-    return FP8_CONFIG if kv_cache.dtype == torch.uint8 and heads <= 16 else MLADecodeConfig()
+    """The launch config when the caller gives none: FP8_CONFIG for an FP8 cache at <= 16 heads,
+    WIDE_CONFIG for a bf16 cache at more, else MLADecodeConfig()."""
+    fp8 = kv_cache.dtype == torch.uint8
+    if fp8 and heads <= 16:
+        return FP8_CONFIG
+    return WIDE_CONFIG if not fp8 and heads > 16 else MLADecodeConfig()
 
 
 def _launch_plan(q_nope, kv_cache, max_seq_len, config: MLADecodeConfig, block_table):
