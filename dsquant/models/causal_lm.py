@@ -102,6 +102,12 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, ctx=None) -> torch.Tensor:
         # input_ids [B, T]; positions [B, T] (default 0..T-1); attention_mask [B, T] (1 = token)
+        return self.logits(self.hidden_states(input_ids, positions, attention_mask, ctx))  # [B, T, V]
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None, ctx=None) -> torch.Tensor:
+        """The last decoder layer's output [B, T, H], before the final norm and lm_head (`logits`
+        applies both): callers that need a few positions' logits at a time skip the [B, T, V] tensor."""
         if positions is None:
             t = input_ids.shape[-1]
             positions = torch.arange(t, device=input_ids.device).expand(input_ids.shape)
@@ -110,4 +116,4 @@ class CausalLM(nn.Module):
         hidden = self.embed(input_ids)
         for layer in self.model.layers:
             hidden = layer(hidden, ctx)
-        return self.logits(hidden)
+        return hidden
