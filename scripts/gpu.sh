@@ -9,7 +9,7 @@
 #               10-minute run: gpukernels + gpurest + trained split it), restests (tests/kernels and
 #               tests/runtime without -m gpu, at full size), trained (the trained-model GPU accuracy test)
 #   main job:   demo (dsquant demo --device cuda, then a CPU validate of the same artifacts)
-#   kernels:    gemm, gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe, attention,
+#   kernels:    gemm, mmaprobe (scripts/w4a16_mma_probe.py), gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe, attention,
 #               kvfp8 (FP8-KV-cache decode rows), kvsweep (their launch configs: scripts/kvfp8_sweep.py),
 #               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), prefill (GQA prefill
 #               configs against SDPA: scripts/prefill_sweep.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
@@ -79,6 +79,8 @@ for step in "$@"; do
           cp "$W/demo-cpu/report.json" "$OUT/demo-cpu-report.json" 2>/dev/null ;;
     gemm) timeout "${GEMM_S:-150}" python3 -m dsquant bench gemm --rep-ms 20 --m ${GEMM_M:-1,4,64,1024,4096} \
             --json "$OUT/gemm.json" > "$OUT/gemm.txt" 2>&1 ;;
+    mmaprobe) timeout "${PROBE_S:-300}" python3 scripts/w4a16_mma_probe.py "$OUT/mmaprobe.json" ${PROBE_ARGS:-} \
+            > "$OUT/mmaprobe.txt" 2>&1 ;;  # the k-sliced W4A16 MMA kernel's configs against bf16 / the old path
     gemmsweep) timeout "${SWEEP_S:-240}" python3 scripts/gemm_sweep.py "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1 ;;
     gemmbench) cfg=""; [ -s "$OUT/sweep.json" ] && cfg="--configs $OUT/sweep.json"
             timeout "${GEMM_S:-200}" python3 -m dsquant bench gemm --rep-ms 25 $cfg --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1 ;;
@@ -145,7 +147,7 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/gpukernels.txt "$OUT"/gpurest.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
-for f in variance variancepin kvfp8 gemm moe engine enginefull serve long long32 attention v3 mlalong prefill; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+for f in mmaprobe variance variancepin kvfp8 gemm moe engine enginefull serve long long32 attention v3 mlalong prefill; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
 # what comes back is limited in files: everything in one archive (steps.txt beside it)

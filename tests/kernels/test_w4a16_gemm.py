@@ -230,3 +230,50 @@ def test_w4a16_gpu_gptq_act_order_bf16(n, k, group):
         x = _x(m, k, torch.bfloat16, "cuda", seed=m)
         y = w4a16_linear(x, packed, out=_poisoned(m, n, torch.bfloat16, "cuda"))
         _check(y, x, dense, torch.bfloat16, what=f"M={m}")
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_slice_codes_round_trip_and_order(group):
+    """The k-sliced order: word 16c + w holds k = 128c + 16i + w in nibble i, and unslice inverts it;
+    repack picks it exactly when K % 128 == 0 and G <= 128."""
+    from dsquant.runtime.kernels.gemm.w4a16_repack import slice_codes, unslice_codes
+
+    q = torch.randint(0, 16, (24, 256), dtype=torch.int32)
+    words = slice_codes(q)
+    assert torch.equal(unslice_codes(words), q)
+    c, w, i = 1, 5, 6
+    assert (int(words[3, 16 * c + w]) >> (4 * i)) & 0xF == int(q[3, 128 * c + 16 * i + w])
+    assert _awq_weights(72, 256, group, "cpu", seed=1)[0].sliced
+    assert not _awq_weights(72, 5 * 64, 64, "cpu", seed=1)[0].sliced  # K = 320: plain order
+
+
+SLICED_CASES = [  # (M, group, config or None): K = 384, sliced for groups 32 and 64 too; GEMV only by config
+    *[(m, g, None) for m in (1, 3, 17, 64, 300) for g in (32, 64)],
+    (2, 32, GemmConfig(2, 32, 3, 4, 1, path="gemv")), (1, 64, GemmConfig(1, 64, 2, 2, 1, path="gemv")),
+    (1, 128, GemmConfig(1, 64, 3, 2, 1, path="gemv")), (5, 64, GemmConfig(16, 128, 2, 4, 2)),
+    (40, 32, GemmConfig(64, 64, 3, 4, 2)), (100, 64, GemmConfig(64, 64, 1, 4, 2)),
+    (17, 32, GemmConfig(64, 64, 1, 4, 2, path="dequant")),
+]
+
+
+@pytest.mark.parametrize("m,group,cfg", SLICED_CASES)
+def test_w4a16_sliced_matches_reference(device, m, group, cfg):
+    """Weights in the k-sliced order on every path (GEMV, the MMA kernel with uneven split-K,
+    dequantize + cuBLAS) equal x @ W^T into a poisoned output; N = 136, K = 384 (3 chunks)."""
+    n, k = 136, 384
+    packed, dense = _awq_weights(n, k, group, device, seed=m * 100 + group)
+    assert packed.sliced
+    x = _x(m, k, torch.float16, device, seed=m)
+    y = w4a16_linear(x, packed, cfg, out=_poisoned(m, n, torch.float16, device))
+    _check(y, x, dense, torch.float16)
+    assert int(packed.splitk_counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("m", [1, 6, 33])
+def test_w4a16_sliced_gptq_act_order(device, m):
+    """GPTQ act-order on the k-sliced order (K = 256, G = 64): the kernels gather x[:, perm]."""
+    packed, dense = _act_order_gptq(72, 256, 64, device, seed=m)
+    assert packed.sliced and packed.perm is not None
+    x = _x(m, 256, torch.float16, device, seed=m)
+    y = w4a16_linear(x, packed, out=_poisoned(m, 72, torch.float16, device))
+    _check(y, x, dense, torch.float16)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsquant.formats import fp8_block, gptq
+from dsquant.formats import fp8_block
 from dsquant.formats.compressed_tensors import CTFp8Scheme, CTGroup, CTInt4Scheme, unpack_int4_rows
 from dsquant.runtime.layers.quant import LinearMethod, _meta, _w4a16_apply
 
@@ -54,14 +54,12 @@ class CTPackedInt4Method(LinearMethod):
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.weight_packed):
             return super().process_weights_after_loading(layer)
-        from dsquant.runtime.kernels.gemm.w4a16_repack import W4A16Weights
+        from dsquant.runtime.kernels.gemm.w4a16_repack import kernel_weights
 
-        q, z, s = self._codes(layer)
+        q, z, s = self._codes(layer)  # [N, K], [N, K/G], [N, K/G]
         n, k = q.shape
         gs = k if self.group_size <= 0 else self.group_size
-        packed = gptq.pack_gptq_qweight(q.t().contiguous()).t().contiguous()  # [N, K/8] along K
-        layer.w4 = W4A16Weights(qweight=packed, scales=s.t().contiguous().to(layer.weight_scale.dtype),
-                                zeros=z.t().contiguous().to(torch.uint8), group_size=gs)
+        layer.w4 = kernel_weights(q.t(), z.t(), s.t().to(layer.weight_scale.dtype), gs)
         self.release(layer, ("weight_packed", "weight_scale", "weight_zero_point"))
 
     def apply(self, layer, x):

@@ -108,19 +108,68 @@ def _lookup(kind: str, m: int, n: int, k: int, device) -> GemmConfig | None:
     return table.get((kind, m_bucket(m), n, k))
 
 
-def w4a16_gemv_config(m: int, n: int, k: int, group_size: int, device=None) -> GemmConfig:
+def w4a16_gemv_config(m: int, n: int, k: int, group_size: int, device=None, sliced: bool = False) -> GemmConfig:
     """GEMV config: 64 channels per program at M = 1, 32 above, 2 warps, split-K 8 (fewer when
     a split would get under 2 groups). On the H200 sweep (12 shape x M cases) every case's times
     were within 10% across the top configs, and this one within 6% of each case's best."""
+    steps = k // 128 if sliced else k // group_size  # the kernel's K steps: chunks or groups
     split = 8
-    while split > 1 and k // group_size < 2 * split:
+    while split > 1 and steps < 2 * split:
         split //= 2
     return GemmConfig(triton_next_pow2(m), 64 if m == 1 else 32, split, 2, 1, path="gemv")
 
 
-def w4a16_config(m: int, n: int, k: int, group_size: int, device=None) -> GemmConfig:
+# The k-sliced MMA kernel (w4a16_mma.py) on the H200 (2026-12-03, triton 3.6, scripts/w4a16_mma_probe.py
+# over block_n 64/128, split 1-16, 3-4 stages; graph medians at the bucket's largest measured M in the
+# comments), {(m_bucket, n, k): GemmConfig}. Shapes not listed take _sliced_config's rule, which the
+# same sweep favoured: 64 channels and split 8 to 16 tokens, 128 channels above, >= 4 chunks a split.
+TUNED_SLICED_SM90: dict = {
+    (16, 18432, 7168): GemmConfig(16, 64, 8, 4, 3),  # 50.9 us
+    (16, 4096, 7168): GemmConfig(16, 128, 8, 4, 3),  # 14.3 us
+    (16, 10944, 2048): GemmConfig(16, 128, 4, 4, 3),  # 12.1 us
+    (16, 2816, 2048): GemmConfig(16, 64, 8, 4, 3),  # 8.0 us
+    (64, 18432, 7168): GemmConfig(64, 128, 4, 4, 3),  # 101.9 us
+    (64, 4096, 7168): GemmConfig(64, 128, 8, 4, 3),  # 23.5 us
+    (64, 10944, 2048): GemmConfig(64, 128, 2, 4, 3),  # 21.6 us
+    (64, 2816, 2048): GemmConfig(64, 64, 4, 4, 4),  # 11.9 us
+    (128, 18432, 7168): GemmConfig(64, 128, 4, 4, 3),  # 163.1 us
+    (128, 4096, 7168): GemmConfig(64, 128, 4, 4, 3),  # 32.7 us
+    (128, 10944, 2048): GemmConfig(64, 128, 1, 4, 3),  # 30.8 us
+    (128, 2816, 2048): GemmConfig(64, 128, 4, 4, 4),  # 15.5 us
+}
+
+
+def _sliced_split(chunks: int, per_split: int) -> int:
+    split = 8
+    while split > 1 and chunks < per_split * split:
+        split //= 2
+    return split
+
+
+def _sliced_config(m: int, n: int, k: int, device) -> GemmConfig:
+    table = TUNED_SLICED_SM90 if _gpu_family(device) == "sm90" else {}
+    tuned = table.get((m_bucket(m), n, k))
+    if tuned is not None:
+        return tuned
+    if m >= 256:
+        return GemmConfig(128, 128, 1, 8, 3, path="dequant")
+    if m <= 16:
+        return GemmConfig(16, 64, _sliced_split(k // 128, 4), 4, 3)
+    return GemmConfig(min(m_bucket(m), 64), 128, _sliced_split(k // 128, 8), 4, 3)
+
+
+def w4a16_config(m: int, n: int, k: int, group_size: int, device=None, sliced: bool = False) -> GemmConfig:
+    """The path and launch config for M tokens; `sliced`: the weight is in the k-sliced code order.
+
+    Sliced weights take the MMA kernel at every M < 256, M = 1 and 2 included: on the H200
+    (2026-12-03) its 16-token tile ran M = 1 in 41.5 us and M = 2 in 42.4 us on 7168 x 18432, where
+    the first k-sliced GEMV took 73.7 / 110.4 us (the plain-order GEMV: 36.5 / 52.4). The GEMV over
+    the sliced order was rewritten after that run and is reachable with an explicit path="gemv"
+    config until it is timed."""
+    if sliced:
+        return _sliced_config(m, n, k, device)
     if m <= GEMV_MAX_M:
-        return w4a16_gemv_config(m, n, k, group_size, device)
+        return w4a16_gemv_config(m, n, k, group_size, device, sliced)
     tuned = _lookup("w4a16", m, n, k, device)
     if tuned is not None:
         return tuned

@@ -12,7 +12,10 @@ bit operation. Zero point and scale are applied once per group and output, outsi
     sum_{k in g} (q - z) s x = s * (dot(OFFSET + q, x) - (OFFSET + z) * sum_{k in g} x)
 with the dot accumulated in fp32, so the per-element dequant cost is a shift, a mask and an OR.
 
-Paths, chosen by M through gemm_configs.w4a16_config: M <= 4, the GEMV of w4a16_gemv.py (no
+This kernel reads the plain code order (shapes where K % 128 != 0 or G > 128); weights in the
+k-sliced order (W4A16Weights.sliced) take w4a16_mma.py's kernel instead, for every M below the
+dequantize path (gemm_configs.w4a16_config says why M <= 2 too).
+Paths for plain-order weights, chosen by M through gemm_configs.w4a16_config: M <= 2, the GEMV of w4a16_gemv.py (no
 tensor cores); decode (M <= 64) tiles of 16..64 tokens
 with split-K over groups (splitk.store_tile) to cover every multiprocessor; prefill tiles of
 64..128 tokens; and for large M "dequant": dequantize W to [N, K] once and call cuBLAS.
@@ -26,6 +29,7 @@ import triton.language as tl
 from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, w4a16_config
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
 from dsquant.runtime.kernels.gemm.w4a16_gemv import w4a16_gemv
+from dsquant.runtime.kernels.gemm.w4a16_mma import w4a16_mma
 from dsquant.runtime.kernels.gemm.w4a16_repack import W4A16Weights
 
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -113,15 +117,36 @@ def _w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, stride_qn, stride_sg, 
              mask=n_mask[:, None])
 
 
+@triton.jit
+def _w4a16_dequant_sliced_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, stride_qn, stride_sg, stride_zg,
+                                 stride_wn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The same over the k-sliced code order; one 128-wide chunk per program."""
+    pid_n = tl.program_id(0)
+    c = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, 16)
+    qw = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (c * 16 + offs_w)[None, :],
+                 mask=n_mask[:, None], other=0)  # [BN, 16]
+    for i in tl.static_range(8):
+        g = (c * 128 + 16 * i) // GROUP
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=0).to(tl.float32)
+        q = ((qw >> (4 * i)) & 0xF).to(tl.float32)  # [BN, 16]: input channels c * 128 + 16i + w
+        offs_k = c * 128 + 16 * i + offs_w
+        tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                 ((q - z[:, None]) * s[:, None]).to(w_ptr.dtype.element_ty), mask=n_mask[:, None])
+
+
 def w4a16_dequantize(w: W4A16Weights, dtype: torch.dtype) -> torch.Tensor:
     """Triton dequantize: kernel layout -> dense [N, K] in `dtype` (kernel K order)."""
     n, k = w.out_features, w.in_features
     out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
     block_n = 64
-    grid = (triton.cdiv(n, block_n), k // w.group_size)
-    _w4a16_dequant_kernel[grid](w.qweight, w.scales, w.zeros, out, n, w.qweight.stride(0),
-                                w.scales.stride(0), w.zeros.stride(0), out.stride(0),
-                                GROUP=w.group_size, BLOCK_N=block_n)
+    kernel = _w4a16_dequant_sliced_kernel if w.sliced else _w4a16_dequant_kernel
+    grid = (triton.cdiv(n, block_n), k // 128 if w.sliced else k // w.group_size)
+    kernel[grid](w.qweight, w.scales, w.zeros, out, n, w.qweight.stride(0), w.scales.stride(0),
+                 w.zeros.stride(0), out.stride(0), GROUP=w.group_size, BLOCK_N=block_n)
     return out
 
 
@@ -157,7 +182,7 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weights, config: GemmConfig | None = N
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    cfg = config or w4a16_config(m, n, k, w.group_size, x.device)
+    cfg = config or w4a16_config(m, n, k, w.group_size, x.device, sliced=w.sliced)
     if cfg.path == "dequant":
         x_in = x2[:, w.perm.long()] if w.perm is not None else x2
         y = torch.nn.functional.linear(x_in, w4a16_dequantize(w, x.dtype))
@@ -170,6 +195,10 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weights, config: GemmConfig | None = N
         return out.reshape(*x.shape[:-1], n)
     if cfg.path == "gemv":
         w4a16_gemv(x2, w, out, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages)
+        return out.reshape(*x.shape[:-1], n)
+    if w.sliced:
+        w4a16_mma(x2, w.qweight, w.scales, w.zeros, w.group_size, out, cfg.block_n, cfg.block_m,
+                  cfg.split_k, cfg.num_warps, cfg.num_stages, perm=w.perm, counters=w.splitk_counters)
         return out.reshape(*x.shape[:-1], n)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = min(cfg.split_k, k // w.group_size)

@@ -13,7 +13,9 @@ channels and a run of groups (split-K, splitk.store_tile's one-launch epilogue),
     exactly q (no integer-to-float conversion),
   - for each token: d = sum_k (128 + q) x in fp32, then
         sum_{k in g} (q - z) s x = s * (d - (128 + z) * sum_{k in g} x).
-The weight is read and unpacked once for all BLOCK_M tokens.
+The weight is read and unpacked once for all BLOCK_M tokens. `_w4a16_gemv_sliced_kernel` is the
+same over the k-sliced code order (w4a16_repack.slice_codes): a group's nibble planes are unpacked by
+in-thread joins as above, and x is gathered in the order the unpacked columns come out.
 """
 from __future__ import annotations
 
@@ -75,6 +77,68 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
                pid_n, pid_k, split_k)
 
 
+@triton.jit
+def _nib(qw, I: tl.constexpr):
+    """fp32 128 + nibble I of each word (the code at bits 16..19 of 128.0)."""
+    if I <= 4:
+        v = (qw << (16 - 4 * I)) & 0xF0000
+    else:
+        v = (qw >> (4 * I - 16)) & 0xF0000
+    return v | 0x43000000
+
+
+@triton.jit
+def sliced_planes_as_f32(qw, FIRST: tl.constexpr, COUNT: tl.constexpr, ROWS: tl.constexpr):
+    """words [ROWS, 16] -> fp32 [ROWS, 16 * COUNT] = 128 + q of nibble planes FIRST .. FIRST + COUNT - 1;
+    column COUNT * w + t holds plane FIRST + t of word w, i.e. input channel 16 (FIRST + t) + w of
+    the chunk. In-thread joins, as codes_as_f32 (COUNT 2, 4 or 8)."""
+    if COUNT == 8:
+        q = tl.join(tl.join(tl.join(_nib(qw, 0), _nib(qw, 4)), tl.join(_nib(qw, 2), _nib(qw, 6))),
+                    tl.join(tl.join(_nib(qw, 1), _nib(qw, 5)), tl.join(_nib(qw, 3), _nib(qw, 7))))
+    elif COUNT == 4:
+        q = tl.join(tl.join(_nib(qw, FIRST), _nib(qw, FIRST + 2)), tl.join(_nib(qw, FIRST + 1), _nib(qw, FIRST + 3)))
+    else:
+        q = tl.join(_nib(qw, FIRST), _nib(qw, FIRST + 1))
+    return tl.reshape(q, (ROWS, 16 * COUNT)).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _w4a16_gemv_sliced_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counters_ptr,
+                              M, N, num_chunks, stride_xm, stride_qn, stride_sg, stride_zg, stride_om,
+                              split_k, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                              HAS_PERM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_m = tl.arange(0, BLOCK_M)  # [BM]
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, 16)  # the 16 words of a 128-wide chunk
+    PLANES: tl.constexpr = GROUP // 16  # nibble planes per group
+    col = tl.arange(0, GROUP)  # [G] column of the unpacked group: PLANES * w + t
+    k_in_chunk = 16 * (col % PLANES) + col // PLANES  # [G] its input channel, before the group's first plane
+
+    c_lo, c_hi = split_range(pid_k, num_chunks, split_k)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for c in range(c_lo, c_hi):
+        qw = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (c * 16 + offs_w)[None, :],
+                     mask=n_mask[:, None], other=0)  # [BN, 16] int32
+        for first in tl.static_range(0, 8, PLANES):  # the chunk's groups
+            g = c * (128 // GROUP) + first // PLANES
+            s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
+            z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=0).to(tl.float32) + 128.0
+            k_idx = c * 128 + 16 * first + k_in_chunk  # [G]
+            if HAS_PERM:
+                k_idx = tl.load(perm_ptr + k_idx)
+            w = sliced_planes_as_f32(qw, first, PLANES, BLOCK_N)  # [BN, G] = 128 + q
+            for m in tl.static_range(BLOCK_M):
+                x = tl.load(x_ptr + m * stride_xm + k_idx, mask=(k_idx >= 0) & (m < M),
+                            other=0.0).to(tl.float32)  # [G], gathered in the columns' order
+                part = s * (tl.sum(w * x[None, :], axis=1) - z * tl.sum(x, axis=0))  # [BN]
+                acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
+    store_tile(acc, out_ptr, part_ptr, counters_ptr, offs_n, offs_m, M, N, stride_om,
+               pid_n, pid_k, split_k)
+
+
 def w4a16_gemv(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, split_k: int,
                num_warps: int, num_stages: int = 1) -> torch.Tensor:
     """out [M, N] = x2 [M, K] @ dequant(w)^T for M <= 4 (w: W4A16Weights; inputs checked
@@ -83,14 +147,15 @@ def w4a16_gemv(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, split_k: in
     n = w.out_features
     if not 1 <= m <= 4:
         raise ValueError(f"w4a16_gemv: M must be 1..4, got {m}")
-    num_groups = k // w.group_size
+    steps = k // 128 if w.sliced else k // w.group_size  # chunks of 128 or groups along K
     tiles = triton.cdiv(n, block_n)
-    split = max(1, min(split_k, num_groups))
+    split = max(1, min(split_k, steps))
     part, counters = splitk_buffers(split, m, n, tiles, w.splitk_counters, x2.device)
     perm = w.perm if w.perm is not None else w.qweight
-    _w4a16_gemv_kernel[(tiles, split)](
+    kernel = _w4a16_gemv_sliced_kernel if w.sliced else _w4a16_gemv_kernel
+    kernel[(tiles, split)](
         x2, w.qweight, w.scales, w.zeros, perm, out, part, counters,
-        m, n, num_groups, x2.stride(0), w.qweight.stride(0), w.scales.stride(0),
+        m, n, steps, x2.stride(0), w.qweight.stride(0), w.scales.stride(0),
         w.zeros.stride(0), out.stride(0), split,
         GROUP=w.group_size, BLOCK_N=block_n, BLOCK_M=triton.next_power_of_2(m),
         HAS_PERM=w.perm is not None, num_warps=num_warps, num_stages=num_stages)

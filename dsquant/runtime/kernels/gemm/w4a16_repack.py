@@ -1,15 +1,19 @@
 """W4A16 weights in the kernel layout: repacking AutoAWQ "gemm" and GPTQ v1 tensors at load time.
 
 Kernel layout (`W4A16Weights`), for a Linear with out_features N, in_features K, group size G:
-    qweight  int32 [N, K/8]   packed along K: nibble i (bits 4i..4i+3) of word c holds k = 8c + i
+    qweight  int32 [N, K/8]   packed along K, in one of two code orders (`sliced`):
+             k-sliced (K % 128 == 0 and G in 32, 64, 128, see `slice_codes`): word 16c + w holds in
+             nibble i the code of k = 128c + 16i + w, so each nibble plane of a 128-wide chunk is
+             16 consecutive input channels, one MMA k-step (w4a16_mma.py);
+             plain (any other shape): nibble i (bits 4i..4i+3) of word c holds k = 8c + i
     scales   fp16/bf16 [K/G, N]  (kept in the checkpoint's dtype; the kernel multiplies in fp32)
     zeros    uint8 [K/G, N]   zero-point codes 0..16
     perm     int32 [K] or None: GPTQ act-order; the kernel reads activation column perm[j] for
              packed row j, so W'[:, j] = W[:, perm[j]] and groups are contiguous (j // G)
     W[n, k'] = (q[n, j] - zeros[j // G, n]) * scales[j // G, n]  with k' = perm[j] (or j)
 
-Row-major along K puts each output channel's codes in one contiguous run, which is what both the
-decode (split-K) and the prefill (tiled) kernels stream. Pure torch; no Triton here, so the CPU
+Row-major along K puts each output channel's codes in one contiguous run, which is what every
+kernel streams. Pure torch; no Triton here, so the CPU
 runtime path (`w4a16_linear_reference`) works without the interpreter.
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ class W4A16Weights:
     group_size: int
     perm: torch.Tensor | None = None  # int32 [K] (act-order) or None
     splitk_counters: torch.Tensor | None = None  # int32 [>= tiles], zero; reset by the kernel
+    sliced: bool = False  # qweight in the k-sliced code order (module docstring)
 
     @property
     def out_features(self) -> int:
@@ -53,17 +58,50 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _pack_k_major(q_kn: torch.Tensor) -> torch.Tensor:
-    """codes [K, N] -> int32 [N, K/8] packed along K in plain nibble order."""
-    return pack_gptq_qweight(q_kn).t().contiguous()
+SLICED_GROUPS = (32, 64, 128)
 
 
-def _finish(q_kn, z_gn, scales, group_size, perm) -> W4A16Weights:
-    dev = q_kn.device
-    counters = torch.zeros(SPLITK_COUNTER_SLOTS, dtype=torch.int32, device=dev)
-    return W4A16Weights(qweight=_pack_k_major(q_kn), scales=scales.contiguous(),
-                        zeros=z_gn.to(torch.uint8).contiguous(), group_size=group_size,
-                        perm=perm, splitk_counters=counters)
+def slice_codes(q_nk: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] (0..15, K % 128 == 0) -> int32 [N, K/8] in the k-sliced order: word 16c + w of
+    row n holds, in nibble i, the code of k = 128c + 16i + w."""
+    n, k = q_nk.shape
+    _check(k % 128 == 0, f"the k-sliced code order needs in_features % 128 == 0, got {k}")
+    q = q_nk.to(torch.int32).reshape(n, k // 128, 8, 16)  # [N, chunk, i, w]
+    words = torch.zeros(n, k // 128, 16, dtype=torch.int32, device=q_nk.device)
+    for i in range(8):
+        words |= q[:, :, i, :] << (4 * i)
+    return words.reshape(n, k // 8).contiguous()
+
+
+def unslice_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of slice_codes: int32 [N, K/8] -> codes int32 [N, K]."""
+    n, kw = qweight.shape
+    words = qweight.reshape(n, kw // 16, 1, 16)
+    shifts = (torch.arange(8, device=qweight.device, dtype=torch.int32) * 4).view(1, 1, 8, 1)
+    return ((words >> shifts) & 0xF).reshape(n, kw * 8)
+
+
+def uses_sliced_order(in_features: int, group_size: int) -> bool:
+    return in_features % 128 == 0 and group_size in SLICED_GROUPS
+
+
+def kernel_weights(q_kn: torch.Tensor, z_gn: torch.Tensor, scales: torch.Tensor, group_size: int,
+                   perm: torch.Tensor | None = None) -> W4A16Weights:
+    """Codes [K, N] (kernel K order), zero points [K/G, N], scales [K/G, N] -> W4A16Weights, in the
+    k-sliced order where the shape allows it, else the plain one."""
+    k = q_kn.shape[0]
+    sliced = uses_sliced_order(k, group_size)
+    qweight = slice_codes(q_kn.t()) if sliced else pack_gptq_qweight(q_kn).t().contiguous()
+    counters = torch.zeros(SPLITK_COUNTER_SLOTS, dtype=torch.int32, device=q_kn.device)
+    return W4A16Weights(qweight=qweight, scales=scales.contiguous(), zeros=z_gn.to(torch.uint8).contiguous(),
+                        group_size=group_size, perm=perm, splitk_counters=counters, sliced=sliced)
+
+
+def codes_nk(w: W4A16Weights) -> torch.Tensor:
+    """The codes of `w` as int32 [N, K] in the kernel's K order, whichever code order it holds."""
+    if w.sliced:
+        return unslice_codes(w.qweight)
+    return unpack_gptq_qweight(w.qweight.t().contiguous()).t()
 
 
 def repack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -82,7 +120,7 @@ def repack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
            f"scales has shape {tuple(scales.shape)}, expected {(ng, n)} for qweight {tuple(qweight.shape)}")
     q = unpack_awq(qweight)  # [K, N]
     z = unpack_awq(qzeros)  # [K/G, N]
-    return _finish(q, z, scales, group_size, None)
+    return kernel_weights(q, z, scales, group_size)
 
 
 def repack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -115,13 +153,13 @@ def repack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
                    f"g_idx must put exactly group_size={group_size} input channels in each of {ng} groups")
             perm = order.to(torch.int32).contiguous()
             q = q[order]
-    return _finish(q, z, scales, group_size, perm)
+    return kernel_weights(q, z, scales, group_size, perm)
 
 
 def dequantize_w4a16(w: W4A16Weights, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Kernel layout -> dense [N, K] in the kernel's K order (apply x[:, perm] before using it)."""
     k = w.in_features
-    q = unpack_gptq_qweight(w.qweight.t().contiguous()).t()  # [N, K] codes
+    q = codes_nk(w)  # [N, K]
     g = torch.arange(k, device=q.device) // w.group_size  # [K]
     z = w.zeros.to(torch.float32).t()[:, g]  # [N, K]
     s = w.scales.to(torch.float32).t()[:, g]  # [N, K]

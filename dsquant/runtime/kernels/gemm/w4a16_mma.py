@@ -1,0 +1,172 @@
+"""W4A16 MMA kernel on the "k-sliced" code order: codes dequantized in registers straight into the dot.
+
+Layouts: x [M, K] bf16/fp16 (unit column stride); qweight int32 [N, K/8] in the k-sliced order of
+w4a16_repack.slice_codes (K % 128 == 0): word 16c + w of row n holds, in nibble i (bits 4i..4i+3), the code of
+k = 128c + 16i + w; scales [K/G, N]; zeros uint8 [K/G, N]; perm int32 [K] (optional, act-order);
+y [M, N] in x's dtype. G is 32, 64 or 128.
+
+Why this order: one 128-wide chunk of a row is 16 consecutive words, and the eight nibble planes
+of those words are eight [BLOCK_N, 16] K-slices of the weight tile, each one shift and one mask
+away from the loaded words. No join, reshape or permute of the unpacked tile (the plain order
+needed them, and they cost a shared-memory round trip per tile), so each slice goes from the
+loaded words to the MMA's operand in registers, and the dot runs as eight K = 16 steps on it
+(the sm_90 TTGIR: the words come out of the cp.async ring with one local_load in the wgmma's
+register-A layout; x slices are the B operand in shared memory).
+
+Dequantization never converts integer to float: a code OR-ed into the mantissa of 128.0 (bf16
+0x4300; fp16 1024.0 = 0x6400) is OFFSET + q exactly, and subtracting OFFSET + z (built the same way)
+gives q - z exactly. PAIRED does both for two codes per instruction: (word >> 4j) & 0x000F000F |
+MAGIC2 holds slice j in the low half and slice j + 4 in the high half of one register, and one
+packed sub.bf16x2 (sub.f16x2) takes the zero points of both halves' groups
+(`tl.inline_asm_elementwise`; not under TRITON_INTERPRET, where the same arithmetic runs unpacked).
+The dot accumulates sum_k (q - z) x in fp32 per group; the scale multiplies it once per group and
+output row.
+Tiles: acc[n, m] (the weight is the MMA's wide operand: out^T = W x^T), BLOCK_N weight rows by
+BLOCK_M tokens, split-K over chunks through splitk.store_tile.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
+
+_MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}  # 128.0, 1024.0: ulp 1
+
+
+@triton.jit
+def _pair(qw, zz, SHIFT: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr, dtype: tl.constexpr):
+    """words [BN, 16] -> (q - z) of slices j and j + 4 in `dtype` (exact small integers), j = SHIFT / 4.
+
+    zz int32 [BN, 16]: the bit patterns of OFFSET + z for slice j (low half) and slice j + 4 (high
+    half). PAIRED: one lop3 and one packed subtraction for two codes."""
+    t = qw >> SHIFT
+    if PAIRED:
+        if MAGIC == 0x4300:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
+                "mov.b32 {$0, $1}, t; }",
+                "=h,=h,r,r", [t, zz], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; sub.rn.f16x2 t, t, $3; "
+                "mov.b32 {$0, $1}, t; }",
+                "=h,=h,r,r", [t, zz], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        return lo.to(dtype, bitcast=True), hi.to(dtype, bitcast=True)
+    lo = ((t & 0xF) | MAGIC).to(tl.int16).to(dtype, bitcast=True)
+    hi = (((t >> 16) & 0xF) | MAGIC).to(tl.int16).to(dtype, bitcast=True)
+    z_lo = (zz & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+    z_hi = ((zz >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+    return lo - z_lo, hi - z_hi
+
+
+@triton.jit
+def _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0, HAS_PERM: tl.constexpr):
+    """x[:, k0 : k0 + 16]^T -> [16, BM] (through perm under act-order)."""
+    k_idx = k0 + tl.arange(0, 16)
+    if HAS_PERM:
+        k_idx = tl.load(perm_ptr + k_idx)
+    return tl.load(x_ptr + offs_m[None, :] * stride_xm + k_idx[:, None], mask=m_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _zero_pair(z_ptr, g_lo, g_hi, stride_zg, offs_n, n_mask, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int32 [BN, 16]: OFFSET + z of group g_lo in the low half, of g_hi in the high half."""
+    z_lo = tl.load(z_ptr + g_lo * stride_zg + offs_n, mask=n_mask, other=0).to(tl.int32) | MAGIC
+    z_hi = tl.load(z_ptr + g_hi * stride_zg + offs_n, mask=n_mask, other=0).to(tl.int32) | MAGIC
+    return tl.broadcast_to((z_lo | (z_hi << 16))[:, None], (BLOCK_N, 16))
+
+
+@triton.jit
+def _scale(s_ptr, g, stride_sg, offs_n, n_mask):
+    return tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]  # [BN, 1]
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _w4a16_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counters_ptr,
+                      M, N, num_chunks, stride_xm, stride_qn, stride_sg, stride_zg, stride_om, split_k,
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                      HAS_PERM: tl.constexpr, MAGIC: tl.constexpr,
+                      PAIRED: tl.constexpr, SWIZZLE: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_n, pid_m = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, SWIZZLE)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    offs_w = tl.arange(0, 16)  # the 16 words of one 128-wide chunk
+    dtype = x_ptr.dtype.element_ty
+
+    c_lo, c_hi = split_range(pid_k, num_chunks, split_k)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for c in range(c_lo, c_hi):
+        qw = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (c * 16 + offs_w)[None, :],
+                     mask=n_mask[:, None], other=0)  # [BN, 16] int32
+        k0 = c * 128
+        if GROUP == 128:
+            zz0 = _zero_pair(z_ptr, c, c, stride_zg, offs_n, n_mask, MAGIC, BLOCK_N)
+            zz1 = zz0
+        elif GROUP == 64:  # the chunk's halves are groups 2c and 2c + 1
+            zz0 = _zero_pair(z_ptr, 2 * c, 2 * c + 1, stride_zg, offs_n, n_mask, MAGIC, BLOCK_N)
+            zz1 = zz0
+        else:  # 32: slices (0, 1) group 4c, (2, 3) 4c + 1, (4, 5) 4c + 2, (6, 7) 4c + 3
+            zz0 = _zero_pair(z_ptr, 4 * c, 4 * c + 2, stride_zg, offs_n, n_mask, MAGIC, BLOCK_N)
+            zz1 = _zero_pair(z_ptr, 4 * c + 1, 4 * c + 3, stride_zg, offs_n, n_mask, MAGIC, BLOCK_N)
+        d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # slices j (k0 + 16j ..)
+        d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # slices j + 4 (k0 + 64 + 16j ..)
+        for j in tl.static_range(4):
+            if j < 2:
+                w_lo, w_hi = _pair(qw, zz0, 4 * j, MAGIC, PAIRED, dtype)  # [BN, 16] each
+            else:
+                w_lo, w_hi = _pair(qw, zz1, 4 * j, MAGIC, PAIRED, dtype)
+            x_lo = _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 16 * j, HAS_PERM)
+            x_hi = _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 64 + 16 * j, HAS_PERM)
+            if GROUP == 128:  # one chain: the whole chunk is one group
+                d_lo = tl.dot(w_lo, x_lo, d_lo)
+                d_lo = tl.dot(w_hi, x_hi, d_lo)
+            else:
+                d_lo = tl.dot(w_lo, x_lo, d_lo)
+                d_hi = tl.dot(w_hi, x_hi, d_hi)
+            if GROUP == 32 and j % 2 == 1:  # groups 4c + j // 2 (low half) and 4c + 2 + j // 2
+                acc += _scale(s_ptr, 4 * c + j // 2, stride_sg, offs_n, n_mask) * d_lo
+                acc += _scale(s_ptr, 4 * c + 2 + j // 2, stride_sg, offs_n, n_mask) * d_hi
+                d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        if GROUP == 128:
+            acc += _scale(s_ptr, c, stride_sg, offs_n, n_mask) * d_lo
+        elif GROUP == 64:
+            acc += _scale(s_ptr, 2 * c, stride_sg, offs_n, n_mask) * d_lo
+            acc += _scale(s_ptr, 2 * c + 1, stride_sg, offs_n, n_mask) * d_hi
+    store_tile(acc, out_ptr, part_ptr, counters_ptr, offs_n, offs_m, M, N, stride_om, pid, pid_k, split_k)
+
+
+def paired_default() -> bool:
+    """The two-codes-per-instruction dequantization needs a real GPU (inline PTX)."""
+    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def w4a16_mma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int, out: torch.Tensor, block_n: int, block_m: int, split_k: int,
+              num_warps: int = 4, num_stages: int = 4, perm: torch.Tensor | None = None,
+              counters: torch.Tensor | None = None, paired: bool | None = None) -> torch.Tensor:
+    """out [M, N] = x2 [M, K] @ dequant(W)^T with W's codes in the k-sliced order (module doc)."""
+    m, k = x2.shape
+    n = qweight.shape[0]
+    if group_size not in (32, 64, 128) or k % 128:
+        raise ValueError(f"w4a16_mma: needs group_size 32, 64 or 128 and K % 128 == 0, got {group_size}, {k}")
+    chunks = k // 128
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = max(1, min(split_k, chunks))
+    part, counters = splitk_buffers(split, m, n, tiles, counters, x2.device)
+    magic = _MAGIC[x2.dtype]
+    _w4a16_mma_kernel[(tiles, split)](
+        x2, qweight, scales, zeros, perm if perm is not None else qweight, out, part, counters,
+        m, n, chunks, x2.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
+        split, GROUP=group_size, BLOCK_N=block_n, BLOCK_M=block_m, HAS_PERM=perm is not None,
+        MAGIC=magic, PAIRED=paired_default() if paired is None else paired, SWIZZLE=8,
+        num_warps=num_warps, num_stages=num_stages)
+    return out

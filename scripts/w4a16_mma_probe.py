@@ -1,0 +1,200 @@
+"""H200 probe of the k-sliced W4A16 MMA kernel (w4a16_mma.py) against bf16 cuBLAS, tinygemm and the
+current w4a16_linear, on varied-scale weights; sweeps its launch configs and records the compiled
+code's shared-memory traffic.
+
+    python scripts/w4a16_mma_probe.py OUT.json [--shapes 7168x18432,...] [--m 1,4,16,64] [--rep-ms 10]
+
+Weights: per-(row, group) scales spread over 10^-3..10^1 and 1% outlier input channels x 8, so every
+group's grid differs. Correctness: each config's output against the fp32 reference of the same
+codes (w4a16_linear_reference), rel err <= 1e-2 or the config is marked wrong.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import triton
+
+from dsquant.bench.common import environment, time_graph_and_eager
+from dsquant.formats.awq_gemm import to_awq_tensors
+from dsquant.formats.gptq import pack_gptq_qweight
+from dsquant.formats.int_grid import quantize_int_groupwise
+from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_linear
+from dsquant.runtime.kernels.gemm.w4a16_mma import _w4a16_mma_kernel, w4a16_mma
+from dsquant.runtime.kernels.gemm.w4a16_repack import codes_nk, repack_awq, slice_codes, w4a16_linear_reference
+
+
+def varied_weight(n, k, group, gen):
+    w = torch.randn(n, k, device="cuda", generator=gen)
+    mag = 10 ** (torch.rand(n, k // group, 1, device="cuda", generator=gen) * 4 - 3)  # [N, K/G, 1]
+    w = (w.view(n, k // group, group) * mag).view(n, k)
+    out = torch.randperm(k, device="cuda", generator=gen)[: max(1, k // 100)]
+    w[:, out] *= 8
+    return w.to(torch.bfloat16)
+
+
+def build(n, k, group, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = varied_weight(n, k, group, gen)
+    q, s, z = quantize_int_groupwise(w, group)
+    qweight, qzeros, scales = to_awq_tensors(q, s, z, dtype=torch.bfloat16)
+    int4 = repack_awq(qweight, qzeros, scales, group)
+    codes = codes_nk(int4)  # [N, K]
+    plain = replace(int4, qweight=pack_gptq_qweight(codes.t()).t().contiguous(), sliced=False)
+    return plain, slice_codes(codes)  # the old kernels read the plain order
+
+
+def sass_counts(compiled) -> dict:
+    asm = getattr(compiled, "asm", {})
+    out = {}
+    ttgir = asm.get("ttgir", "")
+    out["ttgir_local_alloc"] = ttgir.count("local_alloc")
+    out["ttgir_warp_group_dot"] = ttgir.count("warp_group_dot")
+    out["ttgir_dot_op_a_regs"] = len(re.findall(r"warp_group_dot %\S+, %\S+, %\S+ .*: tensor<[^>]*dot_op", ttgir))
+    sass = asm.get("sass", "")
+    for op in ("LDS", "STS", "LDSM", "LOP3", "HGMMA", "PRMT", "SHF", "LDG", "LDGSTS"):
+        out[f"sass_{op}"] = len(re.findall(rf"\b{op}\b", sass))
+    return out, ttgir
+
+
+def configs(m):
+    bm = max(16, triton.next_power_of_2(m)) if m <= 64 else 64
+    for bn in (64, 128):
+        for split in (1, 2, 4, 8, 16):
+            for stages in (3, 4):
+                for paired in (True, False):
+                    if not paired and (stages != 4 or bn != 64):
+                        continue
+                    yield dict(block_n=bn, block_m=bm, split_k=split, num_warps=4, num_stages=stages,
+                               paired=paired)
+
+
+def decode_rows(args) -> None:
+    """M = 1, 2 at each shape: the old plain-order GEMV, the k-sliced GEMV and the k-sliced MMA kernel
+    (16-token tile, tuned config), graph medians, into OUT.json."""
+    from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, w4a16_config
+    from dsquant.runtime.kernels.gemm.w4a16_repack import kernel_weights
+
+    rows = []
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        plain, qs = build(n, k, args.group)
+        sliced = kernel_weights(codes_nk(plain).t(), plain.zeros, plain.scales, args.group)
+        assert sliced.sliced
+        w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 2):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = w4a16_linear_reference(x.float(), plain).float()
+            mma_cfg = w4a16_config(16, n, k, args.group, x.device, sliced=True)
+            fns = {"bf16": lambda: x @ w_bf16.t(), "plain_gemv": lambda: w4a16_linear(x, plain),
+                   "sliced_gemv": lambda: w4a16_linear(x, sliced),
+                   "sliced_mma": lambda: w4a16_linear(x, sliced, GemmConfig(16, mma_cfg.block_n, mma_cfg.split_k,
+                                                                            4, mma_cfg.num_stages))}
+            r = dict(k=k, n=n, m=m)
+            for name, fn in fns.items():
+                y = fn()
+                if name != "bf16":
+                    r[name + "_rel"] = ((y.float() - ref).norm() / ref.norm()).item()
+                r[name + "_us"], _ = time_graph_and_eager(fn, 5, args.rep_ms)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"env": environment(), "rows": rows}, f, indent=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--shapes", default="7168x18432,7168x4096,2048x10944,2048x2816")
+    ap.add_argument("--m", default="1,4,16,64,128")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--rep-ms", type=int, default=10)
+    ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--decode", action="store_true",
+                    help="only M = 1, 2: the plain-order GEMV against the k-sliced GEMV and MMA kernel")
+    args = ap.parse_args()
+    if args.decode:
+        return decode_rows(args)
+    t_start = time.time()
+    rows, checks, code = [], [], {}
+    # correctness at group 64 and with act-order, small partial shapes
+    for (k, n, g, perm) in ((256, 200, 64, False), (512, 320, 128, True), (1024, 96, 64, True), (384, 136, 32, True)):
+        int4, qs = build(n, k, g, seed=7)
+        p = torch.randperm(k, device="cuda").to(torch.int32) if perm else None
+        if p is not None:
+            int4.perm = p
+        for m in (1, 5, 33):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = w4a16_linear_reference(x.float(), int4).float()
+            for paired in (True, False):
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                w4a16_mma(x, qs, int4.scales, int4.zeros, g, out, 64, 16 if m <= 16 else 64, 2,
+                          perm=p, paired=paired)
+                rel = ((out.float() - ref).norm() / ref.norm()).item()
+                checks.append(dict(k=k, n=n, g=g, perm=perm, m=m, paired=paired, rel=rel))
+    print("checks", json.dumps(checks), flush=True)
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        int4, qs = build(n, k, args.group)
+        w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in map(int, args.m.split(",")):
+            if time.time() - t_start > args.budget_s:
+                break
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = w4a16_linear_reference(x.float(), int4).float()
+            bf16_us, _ = time_graph_and_eager(lambda: x @ w_bf16.t(), 5, args.rep_ms)
+            cur_us, _ = time_graph_and_eager(lambda: w4a16_linear(x, int4), 5, args.rep_ms)
+            best = None
+            for cfg in configs(m):
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                fn = lambda: w4a16_mma(x, qs, int4.scales, int4.zeros, args.group, out, **cfg)
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    rows.append(dict(k=k, n=n, m=m, cfg=cfg, error=str(e)[:300]))
+                    continue
+                rel = ((out.float() - ref).norm() / ref.norm()).item()
+                us, _ = time_graph_and_eager(fn, 3, args.rep_ms)
+                r = dict(k=k, n=n, m=m, cfg=cfg, us=us, rel=rel, bf16_us=bf16_us, cur_us=cur_us)
+                rows.append(r)
+                if rel < 1e-2 and (best is None or us < best["us"]):
+                    best = r
+            if best:
+                print(f"{k}x{n} M={m}: bf16 {bf16_us:.1f} cur {cur_us:.1f} mma {best['us']:.1f} us "
+                      f"({bf16_us / best['us']:.2f}x bf16, {cur_us / best['us']:.2f}x cur) {best['cfg']}",
+                      flush=True)
+    # compiled-code counts of the two dequantization forms (largest shape's kernel)
+    for paired in (True, False):
+        key = f"bn64_bm16_paired{paired}"
+        try:
+            k, n = 7168, 4096
+            int4, qs = build(n, k, 128)
+            x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(16, n, device="cuda", dtype=torch.bfloat16)
+            from dsquant.runtime.kernels.gemm.splitk import splitk_buffers
+            part, counters = splitk_buffers(1, 16, n, 64, None, x.device)
+            compiled = _w4a16_mma_kernel[(64, 1)](
+                x, qs, int4.scales, int4.zeros, qs, out, part, counters, 16, n, k // 128, x.stride(0),
+                qs.stride(0), int4.scales.stride(0), int4.zeros.stride(0), out.stride(0), 1,
+                GROUP=128, BLOCK_N=64, BLOCK_M=16, HAS_PERM=False, MAGIC=0x4300,
+                PAIRED=paired, SWIZZLE=8, num_warps=4, num_stages=4)
+            counts, ttgir = sass_counts(compiled)
+            code[key] = counts
+            Path(args.out).with_suffix(f".{key}.ttgir").write_text(ttgir)
+        except Exception as e:  # noqa: BLE001
+            code[key] = {"error": str(e)[:300]}
+    with open(args.out, "w") as f:
+        json.dump({"env": environment(), "checks": checks, "code": code, "rows": rows}, f, indent=1)
+    print("code", json.dumps(code), flush=True)
+
+
+if __name__ == "__main__":
+    main()
