@@ -269,11 +269,12 @@ def test_w4a16_sliced_matches_reference(device, m, group, cfg):
     assert int(packed.splitk_counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("m", [1, 6, 33])
-def test_w4a16_sliced_gptq_act_order(device, m):
-    """GPTQ act-order on the k-sliced order (K = 256, G = 64): the kernels gather x[:, perm]."""
+@pytest.mark.parametrize("m,cfg", [(1, None), (6, None), (33, None), (2, GemmConfig(2, 32, 2, 2, 1, path="gemv"))])
+def test_w4a16_sliced_gptq_act_order(device, m, cfg):
+    """GPTQ act-order on the k-sliced order (K = 256, G = 64): the MMA kernel and the GEMV gather
+    x[:, perm]."""
     packed, dense = _act_order_gptq(72, 256, 64, device, seed=m)
     assert packed.sliced and packed.perm is not None
     x = _x(m, 256, torch.float16, device, seed=m)
-    y = w4a16_linear(x, packed, out=_poisoned(m, 72, torch.float16, device))
+    y = w4a16_linear(x, packed, cfg, out=_poisoned(m, 72, torch.float16, device))
     _check(y, x, dense, torch.float16)
