@@ -108,15 +108,19 @@ def _lookup(kind: str, m: int, n: int, k: int, device) -> GemmConfig | None:
     return table.get((kind, m_bucket(m), n, k))
 
 
-def w4a16_gemv_config(m: int, n: int, k: int, group_size: int, device=None, sliced: bool = False) -> GemmConfig:
-    """GEMV config: 64 channels per program at M = 1, 32 above, 2 warps, split-K 8 (fewer when
-    a split would get under 2 groups). On the H200 sweep (12 shape x M cases) every case's times
-    were within 10% across the top configs, and this one within 6% of each case's best."""
-    steps = k // 128 if sliced else k // group_size  # the kernel's K steps: chunks or groups
-    split = 8
-    while split > 1 and steps < 2 * split:
+def fit_split(steps: int, per_split: int, start: int = 8) -> int:
+    """The largest power-of-two split-K <= start that leaves each split >= per_split K steps."""
+    split = start
+    while split > 1 and steps < per_split * split:
         split //= 2
-    return GemmConfig(triton_next_pow2(m), 64 if m == 1 else 32, split, 2, 1, path="gemv")
+    return split
+
+
+def w4a16_gemv_config(m: int, n: int, k: int, group_size: int, device=None) -> GemmConfig:
+    """Plain-order GEMV config: 64 channels per program at M = 1, 32 above, 2 warps, split-K 8
+    (fewer when a split would get under 2 groups). On the H200 sweep (12 shape x M cases) every
+    case's times were within 10% across the top configs, and this one within 6% of each case's best."""
+    return GemmConfig(triton_next_pow2(m), 64 if m == 1 else 32, fit_split(k // group_size, 2), 2, 1, path="gemv")
 
 
 # The k-sliced MMA kernel (w4a16_mma.py) on the H200 (2026-12-03, triton 3.6, scripts/w4a16_mma_probe.py
@@ -139,13 +143,6 @@ TUNED_SLICED_SM90: dict = {
 }
 
 
-def _sliced_split(chunks: int, per_split: int) -> int:
-    split = 8
-    while split > 1 and chunks < per_split * split:
-        split //= 2
-    return split
-
-
 def _sliced_config(m: int, n: int, k: int, device) -> GemmConfig:
     table = TUNED_SLICED_SM90 if _gpu_family(device) == "sm90" else {}
     tuned = table.get((m_bucket(m), n, k))
@@ -154,8 +151,8 @@ def _sliced_config(m: int, n: int, k: int, device) -> GemmConfig:
     if m >= 256:
         return GemmConfig(128, 128, 1, 8, 3, path="dequant")
     if m <= 16:
-        return GemmConfig(16, 64, _sliced_split(k // 128, 4), 4, 3)
-    return GemmConfig(min(m_bucket(m), 64), 128, _sliced_split(k // 128, 8), 4, 3)
+        return GemmConfig(16, 64, fit_split(k // 128, 4), 4, 3)
+    return GemmConfig(min(m_bucket(m), 64), 128, fit_split(k // 128, 8), 4, 3)
 
 
 def w4a16_config(m: int, n: int, k: int, group_size: int, device=None, sliced: bool = False) -> GemmConfig:
@@ -169,7 +166,7 @@ def w4a16_config(m: int, n: int, k: int, group_size: int, device=None, sliced: b
     if sliced:
         return _sliced_config(m, n, k, device)
     if m <= GEMV_MAX_M:
-        return w4a16_gemv_config(m, n, k, group_size, device, sliced)
+        return w4a16_gemv_config(m, n, k, group_size, device)
     tuned = _lookup("w4a16", m, n, k, device)
     if tuned is not None:
         return tuned
@@ -215,10 +212,7 @@ def fp8_gemv_config(m: int, n: int, k: int, device=None) -> GemmConfig:
     """GEMV config: 32 channels per program, 4 warps, split-K 4 (fewer when K has under 8
     blocks). Over the H200 sweep of 30 configs x 4 shapes it stayed within 15% of each case's
     best at M = 1 and 6% at M = 2; block_m is M rounded up to 1, 2 or 4."""
-    split = 4
-    while split > 1 and -(-k // 128) < 2 * split:
-        split //= 2
-    return GemmConfig(triton_next_pow2(m), 32, split, 4, 1, path="gemv")
+    return GemmConfig(triton_next_pow2(m), 32, fit_split(-(-k // 128), 2, start=4), 4, 1, path="gemv")
 
 
 def fp8_gemv_candidates(m: int) -> list[GemmConfig]:

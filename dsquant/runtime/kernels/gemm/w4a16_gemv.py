@@ -27,19 +27,21 @@ from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, sto
 
 
 @triton.jit
+def _nib(qw, I: tl.constexpr):
+    """fp32 128 + nibble I of each word (the code at bits 16..19 of 128.0)."""
+    if I <= 4:
+        v = (qw << (16 - 4 * I)) & 0xF0000
+    else:
+        v = (qw >> (4 * I - 16)) & 0xF0000
+    return v | 0x43000000
+
+
+@triton.jit
 def codes_as_f32(qw, ROWS: tl.constexpr, COLS: tl.constexpr):
     """int32 [ROWS, COLS/8] -> fp32 [ROWS, COLS] = 128 + q; column 8c + i = nibble i of word c."""
-    MAGIC: tl.constexpr = 0x43000000  # fp32 128.0
-    n0 = ((qw << 16) & 0xF0000) | MAGIC
-    n1 = ((qw << 12) & 0xF0000) | MAGIC
-    n2 = ((qw << 8) & 0xF0000) | MAGIC
-    n3 = ((qw << 4) & 0xF0000) | MAGIC
-    n4 = (qw & 0xF0000) | MAGIC
-    n5 = ((qw >> 4) & 0xF0000) | MAGIC
-    n6 = ((qw >> 8) & 0xF0000) | MAGIC
-    n7 = ((qw >> 12) & 0xF0000) | MAGIC
     # join adds a minor axis of 2: three levels give index 4*i0 + 2*i1 + i2 = nibble
-    q = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+    q = tl.join(tl.join(tl.join(_nib(qw, 0), _nib(qw, 4)), tl.join(_nib(qw, 2), _nib(qw, 6))),
+                tl.join(tl.join(_nib(qw, 1), _nib(qw, 5)), tl.join(_nib(qw, 3), _nib(qw, 7))))
     return tl.reshape(q, (ROWS, COLS)).to(tl.float32, bitcast=True)  # [ROWS, COLS/8, 2, 2, 2] -> [ROWS, COLS]
 
 
@@ -78,28 +80,19 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
 
 
 @triton.jit
-def _nib(qw, I: tl.constexpr):
-    """fp32 128 + nibble I of each word (the code at bits 16..19 of 128.0)."""
-    if I <= 4:
-        v = (qw << (16 - 4 * I)) & 0xF0000
-    else:
-        v = (qw >> (4 * I - 16)) & 0xF0000
-    return v | 0x43000000
-
-
-@triton.jit
 def sliced_planes_as_f32(qw, FIRST: tl.constexpr, COUNT: tl.constexpr, ROWS: tl.constexpr):
     """words [ROWS, 16] -> fp32 [ROWS, 16 * COUNT] = 128 + q of nibble planes FIRST .. FIRST + COUNT - 1;
     column COUNT * w + t holds plane FIRST + t of word w, i.e. input channel 16 (FIRST + t) + w of
     the chunk. In-thread joins, as codes_as_f32 (COUNT 2, 4 or 8)."""
-    if COUNT == 8:
-        q = tl.join(tl.join(tl.join(_nib(qw, 0), _nib(qw, 4)), tl.join(_nib(qw, 2), _nib(qw, 6))),
-                    tl.join(tl.join(_nib(qw, 1), _nib(qw, 5)), tl.join(_nib(qw, 3), _nib(qw, 7))))
-    elif COUNT == 4:
-        q = tl.join(tl.join(_nib(qw, FIRST), _nib(qw, FIRST + 2)), tl.join(_nib(qw, FIRST + 1), _nib(qw, FIRST + 3)))
+    if COUNT == 8:  # every plane: the plain unpack, column 8w + t
+        w = codes_as_f32(qw, ROWS, 128)
     else:
-        q = tl.join(_nib(qw, FIRST), _nib(qw, FIRST + 1))
-    return tl.reshape(q, (ROWS, 16 * COUNT)).to(tl.float32, bitcast=True)
+        if COUNT == 4:
+            q = tl.join(tl.join(_nib(qw, FIRST), _nib(qw, FIRST + 2)), tl.join(_nib(qw, FIRST + 1), _nib(qw, FIRST + 3)))
+        else:
+            q = tl.join(_nib(qw, FIRST), _nib(qw, FIRST + 1))
+        w = tl.reshape(q, (ROWS, 16 * COUNT)).to(tl.float32, bitcast=True)
+    return w
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
