@@ -81,6 +81,9 @@ for step in "$@"; do
             --json "$OUT/gemm.json" > "$OUT/gemm.txt" 2>&1 ;;
     mmaprobe) timeout "${PROBE_S:-300}" python3 scripts/w4a16_mma_probe.py "$OUT/mmaprobe.json" ${PROBE_ARGS:-} \
             > "$OUT/mmaprobe.txt" 2>&1 ;;  # the k-sliced W4A16 MMA kernel's configs against bf16 / the old path
+    mmaprobev2) DISABLE_MMA_V3=1 TRITON_CACHE_DIR=/tmp/dsquant_triton_cache_v2 timeout "${PROBE_S:-300}" \
+            python3 scripts/w4a16_mma_probe.py "$OUT/mmaprobev2.json" ${PROBE2_ARGS:-} > "$OUT/mmaprobev2.txt" 2>&1 ;;
+            # the same with Triton's MMA v2 (mma.sync) instead of wgmma
     gemmsweep) timeout "${SWEEP_S:-240}" python3 scripts/gemm_sweep.py "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1 ;;
     gemmbench) cfg=""; [ -s "$OUT/sweep.json" ] && cfg="--configs $OUT/sweep.json"
             timeout "${GEMM_S:-200}" python3 -m dsquant bench gemm --rep-ms 25 $cfg --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1 ;;
@@ -147,7 +150,7 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/gpukernels.txt "$OUT"/gpurest.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
-for f in mmaprobe variance variancepin kvfp8 gemm moe engine enginefull serve long long32 attention v3 mlalong prefill; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+for f in mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe engine enginefull serve long long32 attention v3 mlalong prefill; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
 # what comes back is limited in files: everything in one archive (steps.txt beside it)

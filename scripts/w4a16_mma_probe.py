@@ -65,8 +65,14 @@ def sass_counts(compiled) -> dict:
     return out, ttgir
 
 
-def configs(m):
+def configs(m, wide=False):
     bm = max(16, triton.next_power_of_2(m)) if m <= 64 else 64
+    if wide:  # the MMA v2 sweep: wider weight tiles and 8 warps, paired only
+        for bn in (64, 128, 256):
+            for warps in (4, 8):
+                for split in (1, 2, 4, 8, 16):
+                    yield dict(block_n=bn, block_m=bm, split_k=split, num_warps=warps, num_stages=4, paired=True)
+        return
     for bn in (64, 128):
         for split in (1, 2, 4, 8, 16):
             for stages in (3, 4):
@@ -118,6 +124,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--rep-ms", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--tile-n", type=int, default=0, help="weights in tile-major order, TILE_N rows a tile")
+    ap.add_argument("--wide", action="store_true", help="sweep wider tiles and 8 warps (paired only)")
     ap.add_argument("--decode", action="store_true",
                     help="only M = 1, 2: the plain-order GEMV against the k-sliced GEMV and MMA kernel")
     args = ap.parse_args()
@@ -144,6 +152,8 @@ def main() -> None:
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
         int4, qs = build(n, k, args.group)
+        if args.tile_n:  # tile-major: [N / T, K / 128, T, 16] words
+            qs = qs.view(n // args.tile_n, args.tile_n, k // 128, 16).permute(0, 2, 1, 3).contiguous()
         w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in map(int, args.m.split(",")):
             if time.time() - t_start > args.budget_s:
@@ -153,9 +163,9 @@ def main() -> None:
             bf16_us, _ = time_graph_and_eager(lambda: x @ w_bf16.t(), 5, args.rep_ms)
             cur_us, _ = time_graph_and_eager(lambda: w4a16_linear(x, int4), 5, args.rep_ms)
             best = None
-            for cfg in configs(m):
+            for cfg in configs(m, args.wide):
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                fn = lambda: w4a16_mma(x, qs, int4.scales, int4.zeros, args.group, out, **cfg)
+                fn = lambda: w4a16_mma(x, qs, int4.scales, int4.zeros, args.group, out, tile_n=args.tile_n, **cfg)
                 try:
                     fn()
                 except Exception as e:  # noqa: BLE001 - record and go on

@@ -278,3 +278,23 @@ def test_w4a16_sliced_gptq_act_order(device, m, cfg):
     x = _x(m, 256, torch.float16, device, seed=m)
     y = w4a16_linear(x, packed, cfg, out=_poisoned(m, 72, torch.float16, device))
     _check(y, x, dense, torch.float16)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_w4a16_mma_prefetch_and_tile_major(device, group, prefetch):
+    """The MMA kernel with the zeros / scales loaded one chunk ahead or in place, on the row-major
+    and the tile-major (TILE_N = 64 rows x 16 words contiguous) code orders; split-K 4 over 5 chunks
+    leaves one split empty."""
+    from dsquant.runtime.kernels.gemm.w4a16_mma import w4a16_mma
+    from dsquant.runtime.kernels.gemm.w4a16_repack import slice_codes, codes_nk
+
+    n, k, m = 128, 640, 5
+    packed, dense = _awq_weights(n, k, group, device, seed=group + prefetch)
+    qs = slice_codes(codes_nk(packed))  # [N, K/8]
+    x = _x(m, k, torch.float16, device, seed=3)
+    for tile_n in (0, 64):
+        q = qs if not tile_n else qs.view(n // 64, 64, k // 128, 16).permute(0, 2, 1, 3).contiguous()
+        y = w4a16_mma(x, q, packed.scales, packed.zeros, group, _poisoned(m, n, torch.float16, device),
+                      64, 16, 4, tile_n=tile_n, prefetch=prefetch)
+        _check(y, x, dense, torch.float16, f"tile_n {tile_n}")

@@ -11,7 +11,7 @@ Layouts
   chunk c, tile t holds in nibble j the code of W[16c + r, 128t + 16j + i]; scales [E, K/G, N] in
   the activation dtype; zeros uint8 [E, K/G, N].
 - out: [E, N, K] in the activation dtype, W[n, k] = (q - z[k // G, n]) * s[k // G, n], computed in fp32
-  and rounded once (what the INT4 GEMM kernel multiplies by, see _int4_step).
+  and rounded once.
 Program (expert, block of ROWS rows, 128-column tile) reads the tile's words once and writes its
 eight nibble planes.
 """

@@ -14,7 +14,7 @@ Expert weight layouts (GroupedWeight.format), N output rows, K input columns, al
 - "int4": qweight int32 [E, N/16, K/128, 16, 16] (tiled, repacked from AWQ by fused_moe_int4:
   word i of row r in chunk c, tile t holds, in nibble j, W[16c + r, 128t + 16j + i]), scales
   [E, K/G, N] in the activation dtype, zeros uint8 [E, K/G, N]; W[n, k] = (q - z) * s,
-  dequantised in registers one nibble plane at a time (see _int4_step); BLOCK_K = 128.
+  dequantised in registers two nibble planes per instruction (moe_int4_loop.py); BLOCK_K = 128.
 - "fp8": weight float8_e4m3fn [E, N, K], scale_inv fp32 [E, ceil(N/128), ceil(K/128)]; a is fp8
   [rows, K] with a_scale fp32 [rows, ceil(K/128)] (per token per 128 channels); BLOCK_K = 128.
 Accumulation is fp32; outputs are rounded once to out's dtype.
@@ -28,7 +28,9 @@ import triton
 import triton.language as tl
 
 from dsquant.runtime.kernels.ops.activation import silu_mul_as_reference
+from dsquant.runtime.kernels.gemm.w4a16_mma import _MAGIC, paired_default
 from dsquant.runtime.kernels.moe.moe_align import MoeAlignment
+from dsquant.runtime.kernels.moe.moe_int4_loop import int4_mainloop
 
 FORMATS = {"bf16": 0, "int4": 1, "fp8": 2}
 
@@ -68,16 +70,6 @@ def _load_weight_tile(w_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_wn
 
 
 @triton.jit
-def _int4_plane_params(s_ptr, z_ptr, expert, k, offs_n, n_mask, stride_se, stride_s1, stride_s2,
-                       GROUP: tl.constexpr):
-    """fp32 scales and fp32 (2^23 + zero) [BN, 1] of the group holding input channel k."""
-    off = expert * stride_se + (k // GROUP) * stride_s1 + offs_n * stride_s2  # [BN]
-    s = tl.load(s_ptr + off, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    z = tl.load(z_ptr + off, mask=n_mask, other=0).to(tl.float32)[:, None] + 8388608.0
-    return s, z
-
-
-@triton.jit
 def _int4_tile(w_ptr, expert, rows, n_mask, k0, stride_we, stride_wc):
     """Packed words [BN, 16] of weight rows `rows` for the 128 channels from k0 (contiguous 1 KiB
     per 16 rows in the tiled layout)."""
@@ -87,48 +79,13 @@ def _int4_tile(w_ptr, expert, rows, n_mask, k0, stride_we, stride_wc):
 
 
 @triton.jit
-def _int4_step(acc_t, acc_up_t, a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert, offs_n,
-               n_mask, N, k0, stride_we, stride_wc, stride_se, stride_s1, stride_s2,
-               GATED: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr):
-    """128 input channels of INT4 weights, computed transposed (acc_t [BN, BM] += W a^T, so the
-    dequantised weights are the dot's register operand and skip shared memory), as 8 nibble
-    planes: plane j holds channels k0 + 16j .. k0 + 16j + 15, a [BN, 16] operand, times a
-    contiguous [16, BM] slice of a. A code q becomes the float 2^23 + q by OR-ing it into the
-    mantissa of 2^23 (no int-to-float conversion, a quarter-rate instruction); (2^23 + q) -
-    (2^23 + z) = q - z exactly, times the scale, rounded once to the GEMM dtype."""
-    i = tl.arange(0, 16)
-    packed = _int4_tile(w_ptr, expert, offs_n, n_mask, k0, stride_we, stride_wc)  # [BN, 16]
-    s, z = _int4_plane_params(s_ptr, z_ptr, expert, k0, offs_n, n_mask, stride_se, stride_s1,
-                              stride_s2, GROUP)
-    if GATED:
-        packed_up = _int4_tile(w_ptr, expert, offs_n + N, n_mask, k0, stride_we, stride_wc)
-        s_up, z_up = _int4_plane_params(s_ptr, z_ptr, expert, k0, offs_n + N, n_mask, stride_se,
-                                        stride_s1, stride_s2, GROUP)
-    for j in tl.static_range(8):
-        if GROUP < 128:  # groups of 32 / 64 change every 2 / 4 planes: reload (L1 hits)
-            s, z = _int4_plane_params(s_ptr, z_ptr, expert, k0 + 16 * j, offs_n, n_mask, stride_se,
-                                      stride_s1, stride_s2, GROUP)
-            if GATED:
-                s_up, z_up = _int4_plane_params(s_ptr, z_ptr, expert, k0 + 16 * j, offs_n + N, n_mask,
-                                                stride_se, stride_s1, stride_s2, GROUP)
-        a_t = tl.load(a_ptr + a_row[None, :] * stride_am + (k0 + 16 * j + i)[:, None],
-                      mask=row_mask[None, :], other=0.0)  # [16, BM]
-        q = (((packed >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + code
-        acc_t = tl.dot(((q - z) * s).to(DTYPE), a_t, acc_t)
-        if GATED:
-            q_up = (((packed_up >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            acc_up_t = tl.dot(((q_up - z_up) * s_up).to(DTYPE), a_t, acc_up_t)
-    return acc_t, acc_up_t
-
-
-@triton.jit
 def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_ptr,
                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
                      N, K, num_pairs, a_row_div,
                      stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_s1, stride_s2,
                      stride_om,
                      W_FORMAT: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
-                     ROUTED: tl.constexpr, FP8_UPCAST: tl.constexpr,
+                     ROUTED: tl.constexpr, FP8_UPCAST: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -141,18 +98,14 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = offs_n < N
     DTYPE = a_ptr.dtype.element_ty  # int4 tiles are dequantised to the activation dtype
-    if W_FORMAT == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # transposed, see _int4_step
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if W_FORMAT == 1:  # transposed accumulators [BN, BM], see moe_int4_loop
+        acc, acc_up = int4_mainloop(a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert, offs_n,
+                                    n_mask, N, K, stride_we, stride_wn, stride_se, stride_s1, stride_s2,
+                                    GATED, GROUP, MAGIC, PAIRED, DTYPE, BLOCK_N, BLOCK_M)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if W_FORMAT == 1:
-            acc, acc_up = _int4_step(acc, acc_up, a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr,
-                                     expert, offs_n, n_mask, N, k0, stride_we, stride_wn, stride_se,
-                                     stride_s1, stride_s2, GATED, GROUP, DTYPE)
-        else:
+        for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_ptr + a_row[:, None] * stride_am + offs_k[None, :],
                         mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0)  # [BM, BLOCK_K]
@@ -213,6 +166,7 @@ def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.
         a, a_s, w.weight, s, z, out, tw, align.sorted_token_ids, align.expert_ids,
         align.num_tokens_post_padded, n_out, w.k, align.num_pairs, a_row_div,
         a.stride(0), a_s.stride(0), w.weight.stride(0), w.weight.stride(1), *s_strides, out.stride(0), W_FORMAT=fmt, GROUP=max(w.group_size, 1), GATED=gated,
-        ROUTED=topk_weights is not None, FP8_UPCAST=fp8_upcast, BLOCK_M=cfg.block_m,
+        ROUTED=topk_weights is not None, FP8_UPCAST=fp8_upcast, MAGIC=_MAGIC.get(a.dtype, 0),
+        PAIRED=paired_default(), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
