@@ -116,6 +116,33 @@ def decode_rows(args) -> None:
         json.dump({"env": environment(), "rows": rows}, f, indent=1)
 
 
+def prefetch_rows(args) -> None:
+    """Each shape and M at its tuned sliced config (w4a16_config), zeros / scales one chunk ahead or in
+    place (w4a16_mma's PREFETCH), graph medians, into OUT.json."""
+    from dsquant.runtime.kernels.gemm.gemm_configs import w4a16_config
+
+    rows = []
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        int4, qs = build(n, k, args.group)
+        for m in map(int, args.m.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = w4a16_linear_reference(x.float(), int4).float()
+            cfg = w4a16_config(m, n, k, args.group, x.device, sliced=True)
+            r = dict(k=k, n=n, m=m, cfg=str(cfg))
+            for pf in (True, False):
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                fn = lambda: w4a16_mma(x, qs, int4.scales, int4.zeros, args.group, out, cfg.block_n, cfg.block_m,
+                                       cfg.split_k, cfg.num_warps, cfg.num_stages, prefetch=pf)
+                fn()
+                r[f"prefetch_{pf}_rel"] = ((out.float() - ref).norm() / ref.norm()).item()
+                r[f"prefetch_{pf}_us"], _ = time_graph_and_eager(fn, 5, args.rep_ms)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"env": environment(), "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -128,7 +155,11 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="sweep wider tiles and 8 warps (paired only)")
     ap.add_argument("--decode", action="store_true",
                     help="only M = 1, 2: the plain-order GEMV against the k-sliced GEMV and MMA kernel")
+    ap.add_argument("--prefetch-ab", action="store_true",
+                    help="tuned configs with the zeros / scales prefetch on and off")
     args = ap.parse_args()
+    if args.prefetch_ab:
+        return prefetch_rows(args)
     if args.decode:
         return decode_rows(args)
     t_start = time.time()

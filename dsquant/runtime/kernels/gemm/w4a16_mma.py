@@ -74,45 +74,87 @@ def _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0, HAS_PERM: tl.conste
 
 
 @triton.jit
-def _zero_pair(z_ptr, g_lo, g_hi, stride_zg, offs_n, n_mask, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr):
-    """int32 [BN]: OFFSET + z of group g_lo in the low half, of g_hi in the high half."""
-    z_lo = tl.load(z_ptr + g_lo * stride_zg + offs_n, mask=n_mask, other=0).to(tl.int32) | MAGIC
-    z_hi = tl.load(z_ptr + g_hi * stride_zg + offs_n, mask=n_mask, other=0).to(tl.int32) | MAGIC
+def _zero_pair(z_ptr, g_lo, g_hi, stride_zg, row_off, n_mask, MAGIC: tl.constexpr):
+    """int32 [BN]: OFFSET + z of group g_lo in the low half, of g_hi in the high half (row_off [BN]:
+    the rows' element offsets)."""
+    z_lo = tl.load(z_ptr + g_lo * stride_zg + row_off, mask=n_mask, other=0).to(tl.int32) | MAGIC
+    z_hi = tl.load(z_ptr + g_hi * stride_zg + row_off, mask=n_mask, other=0).to(tl.int32) | MAGIC
     return z_lo | (z_hi << 16)
 
 
 @triton.jit
-def _scale(s_ptr, g, stride_sg, offs_n, n_mask):
-    return tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]  # [BN, 1]
+def _scale(s_ptr, g, stride_sg, row_off, n_mask):
+    return tl.load(s_ptr + g * stride_sg + row_off, mask=n_mask, other=0.0).to(tl.float32)[:, None]  # [BN, 1]
 
 
 @triton.jit
-def _chunk_params(z_ptr, s_ptr, c, stride_zg, stride_sg, offs_n, n_mask, GROUP: tl.constexpr,
-                  MAGIC: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Chunk c's zero pairs [BN] (zz0 for slices 0, 1 (+4), zz1 for 2, 3 (+4)) and scales s0..s3 [BN, 1].
+def chunk_params(z_ptr, s_ptr, c, stride_zg, stride_sg, row_off, n_mask, GROUP: tl.constexpr, MAGIC: tl.constexpr):
+    """Chunk c's zero pairs [BN] (zz0 for slices 0, 1 (+4), zz1 for 2, 3 (+4)) and scales s0..s3 [BN, 1]
+    (zeros at z_ptr + g * stride_zg + row_off, scales likewise).
     G 128: one group (s0); G 64: halves 2c, 2c + 1 (s0, s1); G 32: groups 4c..4c + 3 (s0..s3)."""
     if GROUP == 128:
-        zz0 = _zero_pair(z_ptr, c, c, stride_zg, offs_n, n_mask, MAGIC, BLOCK_N)
+        zz0 = _zero_pair(z_ptr, c, c, stride_zg, row_off, n_mask, MAGIC)
         zz1 = zz0
-        s0 = _scale(s_ptr, c, stride_sg, offs_n, n_mask)
+        s0 = _scale(s_ptr, c, stride_sg, row_off, n_mask)
         s1 = s0
         s2 = s0
         s3 = s0
     elif GROUP == 64:
-        zz0 = _zero_pair(z_ptr, 2 * c, 2 * c + 1, stride_zg, offs_n, n_mask, MAGIC, BLOCK_N)
+        zz0 = _zero_pair(z_ptr, 2 * c, 2 * c + 1, stride_zg, row_off, n_mask, MAGIC)
         zz1 = zz0
-        s0 = _scale(s_ptr, 2 * c, stride_sg, offs_n, n_mask)
-        s1 = _scale(s_ptr, 2 * c + 1, stride_sg, offs_n, n_mask)
+        s0 = _scale(s_ptr, 2 * c, stride_sg, row_off, n_mask)
+        s1 = _scale(s_ptr, 2 * c + 1, stride_sg, row_off, n_mask)
         s2 = s0  # unused
         s3 = s1
     else:  # 32: slices (0, 1) group 4c, (2, 3) 4c + 1, (4, 5) 4c + 2, (6, 7) 4c + 3
-        zz0 = _zero_pair(z_ptr, 4 * c, 4 * c + 2, stride_zg, offs_n, n_mask, MAGIC, BLOCK_N)
-        zz1 = _zero_pair(z_ptr, 4 * c + 1, 4 * c + 3, stride_zg, offs_n, n_mask, MAGIC, BLOCK_N)
-        s0 = _scale(s_ptr, 4 * c, stride_sg, offs_n, n_mask)
-        s1 = _scale(s_ptr, 4 * c + 1, stride_sg, offs_n, n_mask)
-        s2 = _scale(s_ptr, 4 * c + 2, stride_sg, offs_n, n_mask)
-        s3 = _scale(s_ptr, 4 * c + 3, stride_sg, offs_n, n_mask)
+        zz0 = _zero_pair(z_ptr, 4 * c, 4 * c + 2, stride_zg, row_off, n_mask, MAGIC)
+        zz1 = _zero_pair(z_ptr, 4 * c + 1, 4 * c + 3, stride_zg, row_off, n_mask, MAGIC)
+        s0 = _scale(s_ptr, 4 * c, stride_sg, row_off, n_mask)
+        s1 = _scale(s_ptr, 4 * c + 1, stride_sg, row_off, n_mask)
+        s2 = _scale(s_ptr, 4 * c + 2, stride_sg, row_off, n_mask)
+        s3 = _scale(s_ptr, 4 * c + 3, stride_sg, row_off, n_mask)
     return zz0, zz1, s0, s1, s2, s3
+
+
+@triton.jit
+def chunk_dot(acc, qw, zz0, zz1, s0, s1, s2, s3, x_lo_0, x_hi_0, x_lo_1, x_hi_1, x_lo_2, x_hi_2, x_lo_3, x_hi_3,
+              GROUP: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr, dtype: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc [BN, BM] += one 128-channel chunk: words qw [BN, 16] (slice j = nibble plane j) times the
+    x^T slices [16, BM] of channels 16j (x_lo_j) and 64 + 16j (x_hi_j); zz / s from chunk_params."""
+    d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # slices j
+    d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # slices j + 4
+    for j in tl.static_range(4):
+        if j < 2:
+            zz = tl.broadcast_to(zz0[:, None], (BLOCK_N, 16))
+        else:
+            zz = tl.broadcast_to(zz1[:, None], (BLOCK_N, 16))
+        w_lo, w_hi = _pair(qw, zz, 4 * j, MAGIC, PAIRED, dtype)  # [BN, 16] each
+        if j == 0:
+            x_lo, x_hi = x_lo_0, x_hi_0
+        elif j == 1:
+            x_lo, x_hi = x_lo_1, x_hi_1
+        elif j == 2:
+            x_lo, x_hi = x_lo_2, x_hi_2
+        else:
+            x_lo, x_hi = x_lo_3, x_hi_3
+        if GROUP == 128:  # one chain: the whole chunk is one group
+            d_lo = tl.dot(w_lo, x_lo, d_lo)
+            d_lo = tl.dot(w_hi, x_hi, d_lo)
+        else:
+            d_lo = tl.dot(w_lo, x_lo, d_lo)
+            d_hi = tl.dot(w_hi, x_hi, d_hi)
+        if GROUP == 32 and j == 1:  # groups 4c (slices 0, 1) and 4c + 2 (slices 4, 5)
+            acc += s0 * d_lo + s2 * d_hi
+            d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if GROUP == 128:
+        acc += s0 * d_lo
+    elif GROUP == 64:  # halves 2c, 2c + 1
+        acc += s0 * d_lo + s1 * d_hi
+    else:  # groups 4c + 1 and 4c + 3
+        acc += s1 * d_lo + s3 * d_hi
+    return acc
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -136,8 +178,8 @@ def _w4a16_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     # PREFETCH: zeros and scales run one chunk ahead (plain loads; the pipeliner only prefetches the
     # dot's operands), so their latency hides behind a whole chunk's work
-    zz0, zz1, s0, s1, s2, s3 = _chunk_params(z_ptr, s_ptr, tl.minimum(c_lo, num_chunks - 1), stride_zg, stride_sg, offs_n, n_mask,
-                                             GROUP, MAGIC, BLOCK_N)
+    zz0, zz1, s0, s1, s2, s3 = chunk_params(z_ptr, s_ptr, tl.minimum(c_lo, num_chunks - 1), stride_zg, stride_sg,
+                                            offs_n, n_mask, GROUP, MAGIC)
     for c in range(c_lo, c_hi):
         if TILE_N > 0:  # tile-major: the TILE_N x 16 words of (row tile, chunk c) are contiguous
             qw = tl.load(qw_ptr + (offs_n // TILE_N * (num_chunks * TILE_N * 16) + offs_n % TILE_N * 16)[:, None]
@@ -146,39 +188,23 @@ def _w4a16_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, 
             qw = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (c * 16 + offs_w)[None, :],
                          mask=n_mask[:, None], other=0)  # [BN, 16] int32
         if PREFETCH:
-            nz0, nz1, t0, t1, t2, t3 = _chunk_params(z_ptr, s_ptr, tl.minimum(c + 1, c_hi - 1), stride_zg,
-                                                     stride_sg, offs_n, n_mask, GROUP, MAGIC, BLOCK_N)
+            nz0, nz1, t0, t1, t2, t3 = chunk_params(z_ptr, s_ptr, tl.minimum(c + 1, c_hi - 1), stride_zg,
+                                                    stride_sg, offs_n, n_mask, GROUP, MAGIC)
         else:  # this chunk's, loaded now
-            zz0, zz1, s0, s1, s2, s3 = _chunk_params(z_ptr, s_ptr, c, stride_zg, stride_sg, offs_n, n_mask,
-                                                     GROUP, MAGIC, BLOCK_N)
+            zz0, zz1, s0, s1, s2, s3 = chunk_params(z_ptr, s_ptr, c, stride_zg, stride_sg, offs_n, n_mask,
+                                                    GROUP, MAGIC)
             nz0, nz1, t0, t1, t2, t3 = zz0, zz1, s0, s1, s2, s3
         k0 = c * 128
-        d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # slices j (k0 + 16j ..)
-        d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # slices j + 4 (k0 + 64 + 16j ..)
-        for j in tl.static_range(4):
-            if j < 2:
-                zz = tl.broadcast_to(zz0[:, None], (BLOCK_N, 16))
-            else:
-                zz = tl.broadcast_to(zz1[:, None], (BLOCK_N, 16))
-            w_lo, w_hi = _pair(qw, zz, 4 * j, MAGIC, PAIRED, dtype)  # [BN, 16] each
-            x_lo = _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 16 * j, HAS_PERM)
-            x_hi = _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 64 + 16 * j, HAS_PERM)
-            if GROUP == 128:  # one chain: the whole chunk is one group
-                d_lo = tl.dot(w_lo, x_lo, d_lo)
-                d_lo = tl.dot(w_hi, x_hi, d_lo)
-            else:
-                d_lo = tl.dot(w_lo, x_lo, d_lo)
-                d_hi = tl.dot(w_hi, x_hi, d_hi)
-            if GROUP == 32 and j == 1:  # groups 4c (low half) and 4c + 2
-                acc += s0 * d_lo + s2 * d_hi
-                d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        if GROUP == 128:
-            acc += s0 * d_lo
-        elif GROUP == 64:  # halves 2c, 2c + 1
-            acc += s0 * d_lo + s1 * d_hi
-        else:  # groups 4c + 1 and 4c + 3
-            acc += s1 * d_lo + s3 * d_hi
+        acc = chunk_dot(acc, qw, zz0, zz1, s0, s1, s2, s3,
+                        _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0, HAS_PERM),
+                        _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 64, HAS_PERM),
+                        _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 16, HAS_PERM),
+                        _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 80, HAS_PERM),
+                        _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 32, HAS_PERM),
+                        _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 96, HAS_PERM),
+                        _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 48, HAS_PERM),
+                        _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 112, HAS_PERM),
+                        GROUP, MAGIC, PAIRED, dtype, BLOCK_N, BLOCK_M)
         zz0, zz1, s0, s1, s2, s3 = nz0, nz1, t0, t1, t2, t3
     store_tile(acc, out_ptr, part_ptr, counters_ptr, offs_n, offs_m, M, N, stride_om, pid, pid_k, split_k)
 

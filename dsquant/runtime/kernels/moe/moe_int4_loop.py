@@ -9,7 +9,7 @@ The same arithmetic as the dense k-sliced MMA kernel (w4a16_mma.py): nibble plan
 word come out of one lop3 as OFFSET + q in the two halves of a register, one packed subtraction
 takes both halves' zero points (w4a16_mma._pair), and the dot accumulates sum_k (q - z) a in fp32
 per group; the scale multiplies that once per group and output row. The accumulators are
-transposed, acc [BN, BM] = W a^T, so the weight is the dot's register operand. Zeros and scales
+transposed, acc [BN, BM] = W a^T, so the weight is the dot's register operand (w4a16_mma.chunk_dot). Zeros and scales
 run one chunk ahead: they are plain loads, and their latency hides behind a chunk's work.
 """
 from __future__ import annotations
@@ -17,49 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.gemm.w4a16_mma import _pair
-
-
-@triton.jit
-def _zero_pair(z_ptr, base, g_lo, g_hi, stride_s1, stride_s2, offs_n, n_mask, MAGIC: tl.constexpr):
-    """int32 [BN]: OFFSET + z of group g_lo in the low half, of g_hi in the high half."""
-    z_lo = tl.load(z_ptr + base + g_lo * stride_s1 + offs_n * stride_s2, mask=n_mask, other=0).to(tl.int32) | MAGIC
-    z_hi = tl.load(z_ptr + base + g_hi * stride_s1 + offs_n * stride_s2, mask=n_mask, other=0).to(tl.int32) | MAGIC
-    return z_lo | (z_hi << 16)
-
-
-@triton.jit
-def _scale(s_ptr, base, g, stride_s1, stride_s2, offs_n, n_mask):
-    return tl.load(s_ptr + base + g * stride_s1 + offs_n * stride_s2, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-
-
-@triton.jit
-def _chunk_params(s_ptr, z_ptr, base, c, stride_s1, stride_s2, offs_n, n_mask, GROUP: tl.constexpr,
-                  MAGIC: tl.constexpr):
-    """Chunk c's zero pairs [BN] (zz0 for planes 0, 1 (+4), zz1 for 2, 3 (+4)) and scales s0..s3 [BN, 1]:
-    G 128 one group (s0); G 64 halves 2c, 2c + 1 (s0, s1); G 32 groups 4c .. 4c + 3 (s0 .. s3)."""
-    if GROUP == 128:
-        zz0 = _zero_pair(z_ptr, base, c, c, stride_s1, stride_s2, offs_n, n_mask, MAGIC)
-        zz1 = zz0
-        s0 = _scale(s_ptr, base, c, stride_s1, stride_s2, offs_n, n_mask)
-        s1 = s0
-        s2 = s0
-        s3 = s0
-    elif GROUP == 64:
-        zz0 = _zero_pair(z_ptr, base, 2 * c, 2 * c + 1, stride_s1, stride_s2, offs_n, n_mask, MAGIC)
-        zz1 = zz0
-        s0 = _scale(s_ptr, base, 2 * c, stride_s1, stride_s2, offs_n, n_mask)
-        s1 = _scale(s_ptr, base, 2 * c + 1, stride_s1, stride_s2, offs_n, n_mask)
-        s2 = s0  # unused
-        s3 = s1
-    else:  # 32: planes (0, 1) group 4c, (2, 3) 4c + 1, (4, 5) 4c + 2, (6, 7) 4c + 3
-        zz0 = _zero_pair(z_ptr, base, 4 * c, 4 * c + 2, stride_s1, stride_s2, offs_n, n_mask, MAGIC)
-        zz1 = _zero_pair(z_ptr, base, 4 * c + 1, 4 * c + 3, stride_s1, stride_s2, offs_n, n_mask, MAGIC)
-        s0 = _scale(s_ptr, base, 4 * c, stride_s1, stride_s2, offs_n, n_mask)
-        s1 = _scale(s_ptr, base, 4 * c + 1, stride_s1, stride_s2, offs_n, n_mask)
-        s2 = _scale(s_ptr, base, 4 * c + 2, stride_s1, stride_s2, offs_n, n_mask)
-        s3 = _scale(s_ptr, base, 4 * c + 3, stride_s1, stride_s2, offs_n, n_mask)
-    return zz0, zz1, s0, s1, s2, s3
+from dsquant.runtime.kernels.gemm.w4a16_mma import chunk_dot, chunk_params
 
 
 @triton.jit
@@ -68,46 +26,6 @@ def _words(w_ptr, expert, rows, n_mask, c, stride_we, stride_wc):
     row_off = tl.multiple_of((rows // 16) * stride_wc + (rows % 16) * 16, 16)  # [BN] word offsets
     ptrs = w_ptr + expert * stride_we + c * 256 + row_off[:, None] + tl.arange(0, 16)[None, :]
     return tl.load(ptrs, mask=n_mask[:, None], other=0)
-
-
-@triton.jit
-def _chunk_dot(acc, packed, zz0, zz1, s0, s1, s2, s3, a_lo_0, a_hi_0, a_lo_1, a_hi_1, a_lo_2, a_hi_2,
-               a_lo_3, a_hi_3, GROUP: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr,
-               DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """acc [BN, BM] += one chunk: the 8 planes of `packed` [BN, 16] times the a^T slices [16, BM]."""
-    d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # planes j
-    d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # planes j + 4
-    for j in tl.static_range(4):
-        if j < 2:
-            zz = tl.broadcast_to(zz0[:, None], (BLOCK_N, 16))
-        else:
-            zz = tl.broadcast_to(zz1[:, None], (BLOCK_N, 16))
-        w_lo, w_hi = _pair(packed, zz, 4 * j, MAGIC, PAIRED, DTYPE)  # [BN, 16] each
-        if j == 0:
-            a_lo, a_hi = a_lo_0, a_hi_0
-        elif j == 1:
-            a_lo, a_hi = a_lo_1, a_hi_1
-        elif j == 2:
-            a_lo, a_hi = a_lo_2, a_hi_2
-        else:
-            a_lo, a_hi = a_lo_3, a_hi_3
-        if GROUP == 128:
-            d_lo = tl.dot(w_lo, a_lo, d_lo)
-            d_lo = tl.dot(w_hi, a_hi, d_lo)
-        else:
-            d_lo = tl.dot(w_lo, a_lo, d_lo)
-            d_hi = tl.dot(w_hi, a_hi, d_hi)
-        if GROUP == 32 and j == 1:  # groups 4c (planes 0, 1) and 4c + 2 (planes 4, 5)
-            acc += s0 * d_lo + s2 * d_hi
-            d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if GROUP == 128:
-        acc += s0 * d_lo
-    elif GROUP == 64:
-        acc += s0 * d_lo + s1 * d_hi
-    else:  # groups 4c + 1 and 4c + 3
-        acc += s1 * d_lo + s3 * d_hi
-    return acc
 
 
 @triton.jit
@@ -126,19 +44,19 @@ def int4_mainloop(a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert
     the up projection's (rows N + offs_n) when GATED, else zeros."""
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    base = expert * stride_se
+    zs = z_ptr + expert * stride_se  # this expert's zeros and scales (same strides)
+    ss = s_ptr + expert * stride_se
+    rows = offs_n * stride_s2  # [BN]
+    rows_up = (offs_n + N) * stride_s2
     chunks = K // 128
-    zz0, zz1, s0, s1, s2, s3 = _chunk_params(s_ptr, z_ptr, base, 0, stride_s1, stride_s2, offs_n, n_mask,
-                                             GROUP, MAGIC)
+    zz0, zz1, s0, s1, s2, s3 = chunk_params(zs, ss, 0, stride_s1, stride_s1, rows, n_mask, GROUP, MAGIC)
     uz0, uz1, u0, u1, u2, u3 = zz0, zz1, s0, s1, s2, s3
     if GATED:
-        uz0, uz1, u0, u1, u2, u3 = _chunk_params(s_ptr, z_ptr, base, 0, stride_s1, stride_s2, offs_n + N,
-                                                 n_mask, GROUP, MAGIC)
+        uz0, uz1, u0, u1, u2, u3 = chunk_params(zs, ss, 0, stride_s1, stride_s1, rows_up, n_mask, GROUP, MAGIC)
     for c in range(0, chunks):
         packed = _words(w_ptr, expert, offs_n, n_mask, c, stride_we, stride_wc)  # [BN, 16]
         cn = tl.minimum(c + 1, chunks - 1)
-        nz0, nz1, t0, t1, t2, t3 = _chunk_params(s_ptr, z_ptr, base, cn, stride_s1, stride_s2, offs_n, n_mask,
-                                                 GROUP, MAGIC)
+        nz0, nz1, t0, t1, t2, t3 = chunk_params(zs, ss, cn, stride_s1, stride_s1, rows, n_mask, GROUP, MAGIC)
         k0 = c * 128
         a_lo_0 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0)
         a_hi_0 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0 + 64)
@@ -148,14 +66,13 @@ def int4_mainloop(a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert
         a_hi_2 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0 + 96)
         a_lo_3 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0 + 48)
         a_hi_3 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0 + 112)
-        acc = _chunk_dot(acc, packed, zz0, zz1, s0, s1, s2, s3, a_lo_0, a_hi_0, a_lo_1, a_hi_1, a_lo_2,
-                         a_hi_2, a_lo_3, a_hi_3, GROUP, MAGIC, PAIRED, DTYPE, BLOCK_N, BLOCK_M)
+        acc = chunk_dot(acc, packed, zz0, zz1, s0, s1, s2, s3, a_lo_0, a_hi_0, a_lo_1, a_hi_1, a_lo_2,
+                        a_hi_2, a_lo_3, a_hi_3, GROUP, MAGIC, PAIRED, DTYPE, BLOCK_N, BLOCK_M)
         zz0, zz1, s0, s1, s2, s3 = nz0, nz1, t0, t1, t2, t3
         if GATED:
             packed_up = _words(w_ptr, expert, offs_n + N, n_mask, c, stride_we, stride_wc)
-            mz0, mz1, v0, v1, v2, v3 = _chunk_params(s_ptr, z_ptr, base, cn, stride_s1, stride_s2, offs_n + N,
-                                                     n_mask, GROUP, MAGIC)
-            acc_up = _chunk_dot(acc_up, packed_up, uz0, uz1, u0, u1, u2, u3, a_lo_0, a_hi_0, a_lo_1, a_hi_1,
-                                a_lo_2, a_hi_2, a_lo_3, a_hi_3, GROUP, MAGIC, PAIRED, DTYPE, BLOCK_N, BLOCK_M)
+            mz0, mz1, v0, v1, v2, v3 = chunk_params(zs, ss, cn, stride_s1, stride_s1, rows_up, n_mask, GROUP, MAGIC)
+            acc_up = chunk_dot(acc_up, packed_up, uz0, uz1, u0, u1, u2, u3, a_lo_0, a_hi_0, a_lo_1, a_hi_1,
+                               a_lo_2, a_hi_2, a_lo_3, a_hi_3, GROUP, MAGIC, PAIRED, DTYPE, BLOCK_N, BLOCK_M)
             uz0, uz1, u0, u1, u2, u3 = mz0, mz1, v0, v1, v2, v3
     return acc, acc_up
