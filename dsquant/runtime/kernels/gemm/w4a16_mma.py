@@ -43,8 +43,10 @@ def _pair(qw, zz, SHIFT: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr
     """words [BN, 16] -> (q - z) of slices j and j + 4 in `dtype` (exact small integers), j = SHIFT / 4.
 
     zz int32 [BN, 16]: the bit patterns of OFFSET + z for slice j (low half) and slice j + 4 (high
-    half). PAIRED: one lop3 and one packed subtraction for two codes."""
+    half; MAGIC 0: plain z, for fp32). PAIRED: one lop3 and one packed subtraction for two codes."""
     t = qw >> SHIFT
+    if MAGIC == 0:  # fp32 activations (the MoE GEMM on CPU): q - z as integers, converted exactly
+        return (((t & 0xF) - (zz & 0xFFFF)).to(dtype), (((t >> 16) & 0xF) - ((zz >> 16) & 0xFFFF)).to(dtype))
     if PAIRED:
         if MAGIC == 0x4300:
             lo, hi = tl.inline_asm_elementwise(

@@ -167,6 +167,6 @@ def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.
         align.num_tokens_post_padded, n_out, w.k, align.num_pairs, a_row_div,
         a.stride(0), a_s.stride(0), w.weight.stride(0), w.weight.stride(1), *s_strides, out.stride(0), W_FORMAT=fmt, GROUP=max(w.group_size, 1), GATED=gated,
         ROUTED=topk_weights is not None, FP8_UPCAST=fp8_upcast, MAGIC=_MAGIC.get(a.dtype, 0),
-        PAIRED=paired_default(), BLOCK_M=cfg.block_m,
+        PAIRED=paired_default() and a.dtype in _MAGIC, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
