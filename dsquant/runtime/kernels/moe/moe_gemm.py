@@ -70,15 +70,6 @@ def _load_weight_tile(w_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_wn
 
 
 @triton.jit
-def _int4_tile(w_ptr, expert, rows, n_mask, k0, stride_we, stride_wc):
-    """Packed words [BN, 16] of weight rows `rows` for the 128 channels from k0 (contiguous 1 KiB
-    per 16 rows in the tiled layout)."""
-    row_off = tl.multiple_of((rows // 16) * stride_wc + (rows % 16) * 16, 16)  # [BN] word offsets
-    ptrs = w_ptr + expert * stride_we + (k0 // 128) * 256 + row_off[:, None] + tl.arange(0, 16)[None, :]
-    return tl.load(ptrs, mask=n_mask[:, None], other=0)
-
-
-@triton.jit
 def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_ptr,
                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
                      N, K, num_pairs, a_row_div,
@@ -167,6 +158,6 @@ def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.
         align.num_tokens_post_padded, n_out, w.k, align.num_pairs, a_row_div,
         a.stride(0), a_s.stride(0), w.weight.stride(0), w.weight.stride(1), *s_strides, out.stride(0), W_FORMAT=fmt, GROUP=max(w.group_size, 1), GATED=gated,
         ROUTED=topk_weights is not None, FP8_UPCAST=fp8_upcast, MAGIC=_MAGIC.get(a.dtype, 0),
-        PAIRED=paired_default() and a.dtype in _MAGIC, BLOCK_M=cfg.block_m,
+        PAIRED=paired_default(), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from dsquant.runtime.kernels.ops.activation import silu_mul_as_reference
-from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight, _int4_tile
+from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight
+from dsquant.runtime.kernels.moe.moe_int4_loop import _int4_tile
 from dsquant.runtime.kernels.gemm.splitk import reduce_splits, split_range, splitk_buffers
 
 MOE_GEMV_MAX_PAIRS = 16  # fused_moe takes the GEMV for at most this many (token, expert) pairs

@@ -17,22 +17,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.gemm.w4a16_mma import chunk_dot, chunk_params
+from dsquant.runtime.kernels.gemm.w4a16_mma import _x_slice, chunk_dot, chunk_params
 
 
 @triton.jit
-def _words(w_ptr, expert, rows, n_mask, c, stride_we, stride_wc):
-    """Packed words [BN, 16] of weight rows `rows`, chunk c (1 KiB contiguous per 16 rows)."""
+def int4_words(w_ptr, expert, rows, n_mask, c, stride_we, stride_wc):
+    """Packed words [BN, 16] of weight rows `rows`, 128-channel chunk c (contiguous 1 KiB per 16 rows
+    in the tiled layout)."""
     row_off = tl.multiple_of((rows // 16) * stride_wc + (rows % 16) * 16, 16)  # [BN] word offsets
     ptrs = w_ptr + expert * stride_we + c * 256 + row_off[:, None] + tl.arange(0, 16)[None, :]
     return tl.load(ptrs, mask=n_mask[:, None], other=0)
 
 
 @triton.jit
-def _a_plane(a_ptr, a_row, row_mask, stride_am, k):
-    """a[rows, k : k + 16]^T -> [16, BM]."""
-    return tl.load(a_ptr + a_row[None, :] * stride_am + (k + tl.arange(0, 16))[:, None],
-                   mask=row_mask[None, :], other=0.0)
+def _int4_tile(w_ptr, expert, rows, n_mask, k0, stride_we, stride_wc):
+    """int4_words of the chunk holding channel k0 (k0 a multiple of 128)."""
+    return int4_words(w_ptr, expert, rows, n_mask, k0 // 128, stride_we, stride_wc)
 
 
 @triton.jit
@@ -54,23 +54,23 @@ def int4_mainloop(a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert
     if GATED:
         uz0, uz1, u0, u1, u2, u3 = chunk_params(zs, ss, 0, stride_s1, stride_s1, rows_up, n_mask, GROUP, MAGIC)
     for c in range(0, chunks):
-        packed = _words(w_ptr, expert, offs_n, n_mask, c, stride_we, stride_wc)  # [BN, 16]
+        k0 = c * 128
+        packed = int4_words(w_ptr, expert, offs_n, n_mask, c, stride_we, stride_wc)  # [BN, 16]
         cn = tl.minimum(c + 1, chunks - 1)
         nz0, nz1, t0, t1, t2, t3 = chunk_params(zs, ss, cn, stride_s1, stride_s1, rows, n_mask, GROUP, MAGIC)
-        k0 = c * 128
-        a_lo_0 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0)
-        a_hi_0 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0 + 64)
-        a_lo_1 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0 + 16)
-        a_hi_1 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0 + 80)
-        a_lo_2 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0 + 32)
-        a_hi_2 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0 + 96)
-        a_lo_3 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0 + 48)
-        a_hi_3 = _a_plane(a_ptr, a_row, row_mask, stride_am, k0 + 112)
+        a_lo_0 = _x_slice(a_ptr, a_ptr, a_row, row_mask, stride_am, k0, False)  # [16, BM] a^T planes
+        a_hi_0 = _x_slice(a_ptr, a_ptr, a_row, row_mask, stride_am, k0 + 64, False)
+        a_lo_1 = _x_slice(a_ptr, a_ptr, a_row, row_mask, stride_am, k0 + 16, False)
+        a_hi_1 = _x_slice(a_ptr, a_ptr, a_row, row_mask, stride_am, k0 + 80, False)
+        a_lo_2 = _x_slice(a_ptr, a_ptr, a_row, row_mask, stride_am, k0 + 32, False)
+        a_hi_2 = _x_slice(a_ptr, a_ptr, a_row, row_mask, stride_am, k0 + 96, False)
+        a_lo_3 = _x_slice(a_ptr, a_ptr, a_row, row_mask, stride_am, k0 + 48, False)
+        a_hi_3 = _x_slice(a_ptr, a_ptr, a_row, row_mask, stride_am, k0 + 112, False)
         acc = chunk_dot(acc, packed, zz0, zz1, s0, s1, s2, s3, a_lo_0, a_hi_0, a_lo_1, a_hi_1, a_lo_2,
                         a_hi_2, a_lo_3, a_hi_3, GROUP, MAGIC, PAIRED, DTYPE, BLOCK_N, BLOCK_M)
         zz0, zz1, s0, s1, s2, s3 = nz0, nz1, t0, t1, t2, t3
         if GATED:
-            packed_up = _words(w_ptr, expert, offs_n + N, n_mask, c, stride_we, stride_wc)
+            packed_up = int4_words(w_ptr, expert, offs_n + N, n_mask, c, stride_we, stride_wc)
             mz0, mz1, v0, v1, v2, v3 = chunk_params(zs, ss, cn, stride_s1, stride_s1, rows_up, n_mask, GROUP, MAGIC)
             acc_up = chunk_dot(acc_up, packed_up, uz0, uz1, u0, u1, u2, u3, a_lo_0, a_hi_0, a_lo_1, a_hi_1,
                                a_lo_2, a_hi_2, a_lo_3, a_hi_3, GROUP, MAGIC, PAIRED, DTYPE, BLOCK_N, BLOCK_M)
