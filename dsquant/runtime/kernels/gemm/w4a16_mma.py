@@ -23,6 +23,9 @@ The dot accumulates sum_k (q - z) x in fp32 per group; the scale multiplies it o
 output row.
 Tiles: acc[n, m] (the weight is the MMA's wide operand: out^T = W x^T), BLOCK_N weight rows by
 BLOCK_M tokens, split-K over chunks through splitk.store_tile.
+PREFETCH: chunk c + 1's zeros and scales are loaded during chunk c (w4a16_mma picks it; see there).
+TILE_N > 0 (probe only): qweight is tile-major, [N / TILE_N, K / 128, TILE_N, 16] words.
+chunk_params / chunk_dot are shared with the MoE grouped GEMM (moe_int4_loop.py).
 """
 from __future__ import annotations
 
