@@ -32,7 +32,8 @@ ROOFLINE_GBS = 4250.0
 SWEEP = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 32, 128, 2, 4),
          (16, 64, 128, 2, 4), (16, 64, 128, 4, 2), (16, 64, 128, 8, 4), (32, 64, 128, 4, 3),
          (64, 64, 128, 4, 3), (64, 128, 128, 8, 3), (16, 128, 128, 4, 4), (32, 128, 128, 4, 4),
-         (32, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
+         (32, 64, 128, 4, 4), (64, 128, 128, 4, 4), (16, 128, 128, 4, 2), (16, 128, 128, 2, 3),
+         (16, 128, 128, 8, 3), (16, 256, 128, 4, 3), (16, 256, 128, 8, 3)]
 
 
 @dataclass
@@ -270,7 +271,7 @@ def moe(json_path, tokens, fmts, layers, sweep_fmts, sweep_tokens):
             fn = lambda w=weights, r=r: [fused_moe(x[0], wl, *x[3]) for x, wl in zip(r, w)]  # noqa
             outs = fn()
             graph, eager = (v / layers for v in time_graph_and_eager(fn))
-            cfg13, _ = pick_configs(t * (TOP_K + N_SHARED), E + N_SHARED, fmt, 128)
+            cfg13, _ = pick_configs(t * (TOP_K + N_SHARED), E + N_SHARED, fmt)
             path = ("gemv" if fmt == "int4" and t * (TOP_K + N_SHARED) <= MOE_GEMV_MAX_PAIRS
                     else str(cfg13))
             align_us = []

@@ -79,8 +79,10 @@ def _fp8(w: torch.Tensor):
     q = torch.stack([p[0] for p in per_expert])  # [E, N, K] e4m3
     s = torch.stack([p[1] for p in per_expert])  # [E, ceil(N/128), ceil(K/128)]
     n, k = q.shape[1:]
-    s64 = s.double().repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[:, :, :k]
-    return fp8_experts(q, s), q.double() * s64
+    dense = q.double()  # expert by expert below: one float64 [E, N, K] at the V3 shape, not three
+    for e in range(q.shape[0]):
+        dense[e] *= s[e].double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return fp8_experts(q, s), dense
 
 
 def make_projection(fmt: str, w: torch.Tensor, dtype):

@@ -169,7 +169,7 @@ def test_grouped_gemm_writes_every_pair_row(fmt, device):
     weights, d13, d2 = make_experts(fmt, E, h, inter, torch.float16, device, seed=12)
     t, k = 6, 3
     tw, ids = random_topk(t, E, k, device)
-    cfg, _ = pick_configs(t * k, E, fmt.split("-g")[0], weights.w13.group_size)
+    cfg, _ = pick_configs(t * k, E, fmt.split("-g")[0])
     align = moe_align_block_size(ids, E, cfg.block_m)
     a, a_s, a_ref = _fp8_input(hidden_states(t, h, torch.float16, device), fmt)  # [T, H]
     act = _gemm_into_poisoned(a, weights.w13, align, cfg, inter, k, gated=True, a_s=a_s)  # [P, I]

@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.gemm.gemm_configs import device_sms
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
 
 _MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}  # 128.0, 1024.0: ulp 1
@@ -234,11 +233,12 @@ def w4a16_mma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     split = max(1, min(split_k, chunks))
     part, counters = splitk_buffers(split, m, n, tiles, counters, x2.device)
     magic = _MAGIC[x2.dtype]
-    # H200 (bench gemm, 2026-12-03): the one-chunk-ahead zeros and scales gain 5-20% at 64-token tiles
-    # and on grids of a few waves, and cost 20% on 7168 x 18432 at M <= 16 (1152 programs), where
-    # the extra registers cost occupancy
+    # H200 (w4a16_mma_probe --prefetch-ab, 2026-12-03, 16 shape x M points): the one-chunk-ahead
+    # zeros and scales win on every BLOCK_N 128 config (4-31%: 7168 x 18432 at M = 64, 7168 x 4096,
+    # 2048 x 10944) and lose on every BLOCK_N 64 one (7-17%: 7168 x 18432 at M <= 16, 2048 x 2816),
+    # where the extra registers cost more occupancy than the hidden latency buys
     if prefetch is None:
-        prefetch = block_m >= 64 or tiles * split <= 4 * device_sms(x2.device)
+        prefetch = block_n >= 128
     _w4a16_mma_kernel[(tiles, split)](
         x2, qweight, scales, zeros, perm if perm is not None else qweight, out, part, counters,
         m, n, chunks, x2.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),

@@ -94,14 +94,13 @@ def with_shared_experts(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_
             torch.cat([topk_ids, ids.expand(t, n_shared)], dim=1))
 
 
-def pick_configs(num_pairs: int, num_experts: int, fmt: str, group_size: int = 0,
-                 n_gate_up: int = 0, n_down: int = 0):
-    """(gate/up config, down config) from the pairs per expert, the weight format and, for INT4 at
-    decode sizes, the output widths (n_gate_up = I, n_down = H).
+def pick_configs(num_pairs: int, num_experts: int, fmt: str):
+    """(gate/up config, down config) from the pairs per expert and the weight format.
 
-    INT4 rule, from dsquant bench moe --sweep on an H200 (V2-Lite layer): with fewer than 256
-    programs at BLOCK_N 64 (T = 1), BLOCK_N 32 with 2 warps fills the GPU best (gate/up 32 us vs
-    38-43 us); otherwise BLOCK_N 64 with 4 warps (T = 8: gate/up 96 us vs 104-157 us)."""
+    INT4 rule, from dsquant bench moe --sweep on an H200 (V2-Lite layer, 2026-12-03, the paired
+    dequantization of moe_int4_loop): up to 24 pairs per expert, BLOCK_N 128 with 4 warps and 3
+    stages is the fastest config at T = 8 (gate/up 47.1 us, down 24.1 us; BLOCK_N 64: 76.4 / 40.1)
+    and at T = 64 (81.4 / 43.6 against 133.8 / 77.0); T = 1 takes the per-pair GEMV (_expert_gemvs)."""
     per_expert = num_pairs / num_experts
     if per_expert <= 2:
         block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
@@ -114,15 +113,9 @@ def pick_configs(num_pairs: int, num_experts: int, fmt: str, group_size: int = 0
     if fmt in ("fp8", "int4"):
         block_k = 128  # fp8: the scale block; int4: the packing tile
     cfg = GemmConfig(block_m, block_n, block_k, warps, stages)
-    if fmt != "int4" or per_expert > 24:
-        return cfg, cfg
-
-    def small(n_out):
-        blocks = min(num_pairs, num_experts)
-        if blocks * -(-n_out // 64) < 256:
-            return GemmConfig(16, 32, 128, 2, 4)
-        return GemmConfig(16, 64, 128, 4, 4)
-    return small(n_gate_up), small(n_down)
+    if fmt == "int4" and per_expert <= 24:
+        cfg = GemmConfig(16, 128, 128, 4, 3)
+    return cfg, cfg
 
 
 def fused_moe(hidden: torch.Tensor, weights: MoeWeights, topk_weights: torch.Tensor,
@@ -158,8 +151,7 @@ def expert_outputs(hidden: torch.Tensor, weights: MoeWeights, topk_ids: torch.Te
         weights = MoeWeights(dequantize_int4_grouped(weights.w13, hidden.dtype),
                              dequantize_int4_grouped(weights.w2, hidden.dtype))
         fmt = "bf16"
-    cfg13, cfg2 = configs or pick_configs(t * top_k, weights.num_experts, fmt, weights.w13.group_size,
-                                          inter, weights.w2.n)
+    cfg13, cfg2 = configs or pick_configs(t * top_k, weights.num_experts, fmt)
     align = moe_align_block_size(topk_ids, weights.num_experts, cfg13.block_m)
     upcast = os.environ.get("TRITON_INTERPRET") == "1"
     a, a_scale = quantize_act_fp8(hidden) if fmt == "fp8" else (hidden, None)
