@@ -68,7 +68,7 @@ with tempfile.TemporaryDirectory() as tmp:
         pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(60)
         pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
         (out / f"cprofile_{scheme}.txt").write_text(buf.getvalue())
-        med = lambda v: sorted(v)[len(v) // 2] * 1e3
+        med = lambda v: sorted(v)[len(v) // 2] * 1e3 if v else None  # noqa: E731 (async steps skip execute)
         info.update(step_ms=med(steps), prepare_ms=med(t_prep[1:]), execute_ms=med(t_exec[1:]))
         # graph replay alone
         if runner.graphs is not None:
