@@ -35,6 +35,9 @@ VARIANTS = {  # name -> (module patterns left at RTN, clip, extra AWQ options)
     "rtn-shared": (("*.mlp.shared_experts.*",), "true", ""),
     "no-clip": ((), "false", ""),
     "member-loss": ((), "true", ", block_loss: false"),
+    "inspect8": ((), "true", ", inspect_samples: 8"),  # the layer-output loss on 8 / 16 / 32 sequences
+    "inspect16": ((), "true", ", inspect_samples: 16"),
+    "inspect32": ((), "true", ", inspect_samples: 32"),
 }
 
 
