@@ -175,3 +175,21 @@ def test_bench_gemv_sweep_rows_describe_their_config(fmt, device, monkeypatch):
     assert [r["split_k"] for r in rows] == [2, "auto"]
     assert rows[0]["split_k_gate_up"] == 2 and rows[0]["split_k_down"] == 1  # down K = 128: one tile
     assert all(r["block_n"] == 16 and r["num_warps"] == 2 and r["gate_up_us"] == 1.0 == r["down_us"] for r in rows)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_moe_gemv_loads_only_reads_every_word(split_k, device):
+    """The LOADS_ONLY timing variant (scripts/moe_gemv_probe.py) loads every weight word of its
+    pairs' rows: with small integers as words, each output is the sum of its row's words (weight
+    layout [E, N/16, K/128, 16, 16], moe_gemv's docstring), so its time covers all the bytes."""
+    e, n, k, t, top_k = 4, 48, 384, 2, 2
+    g, _ = realistic_projection("int4-g128", e, n, k, torch.float16, device, seed=3)
+    words = torch.randint(0, 8, g.weight.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    g.weight.copy_(words.to(g.weight.device))
+    _, ids = random_topk(t, e, top_k, device)
+    a = hidden_states(t * top_k, k, torch.float16, device)
+    out = poisoned(t * top_k, n, torch.float16, device)
+    moe_gemv_int4(a, g, ids, out, a_row_div=1, gated=False, block_n=16, num_warps=1, split_k=split_k,
+                  _loads_only=True)
+    per_row = words.permute(0, 1, 3, 2, 4).reshape(e, n, -1).sum(-1).float()  # [E, N]
+    torch.testing.assert_close(out.float().cpu(), per_row[ids.reshape(-1).cpu()], rtol=0, atol=0)

@@ -173,9 +173,12 @@ def _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride
 def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr, topk_w_ptr, ids_ptr,
                      N, K, a_row_div, stride_am, stride_we, stride_wc, stride_se, stride_s1, stride_s2,
                      stride_om, split_k, GROUP: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     BLOCK_N: tl.constexpr, LOADS_ONLY: tl.constexpr = False):
     """Grid (P, cdiv(N, BLOCK_N), split_k); a [rows, K], qweight/scales/zeros, out [P, N] and
-    part fp32 [split_k, P, 2 or 1, N] as in the module docstring; K % 128 == 0."""
+    part fp32 [split_k, P, 2 or 1, N] as in the module docstring; K % 128 == 0.
+    LOADS_ONLY (scripts/moe_gemv_probe.py only; the output is not a product): the same weight loads,
+    each word folded into acc by one add instead of dequantized, no activation / scale / zero loads:
+    the kernel's time without its dequantization and dot."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -201,13 +204,19 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr
     for k0 in range(k_lo, k_hi, 128):
         ahead = n_mask & (k0 + 256 < k_hi)
         p2 = _int4_tile(w_ptr, expert, offs_n, ahead, k0 + 256, stride_we, stride_wc)
-        acc = _tile_dot(acc, p0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1, GROUP)
+        if LOADS_ONLY:
+            acc += p0.to(tl.float32)
+        else:
+            acc = _tile_dot(acc, p0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1, GROUP)
         p0 = p1
         p1 = p2
         if GATED:
             u2 = _int4_tile(w_ptr, expert, offs_n + N, ahead, k0 + 256, stride_we, stride_wc)
-            acc_up = _tile_dot(acc_up, u0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off + N * stride_s2,
-                               n_mask, stride_s1, GROUP)
+            if LOADS_ONLY:
+                acc_up += u0.to(tl.float32)
+            else:
+                acc_up = _tile_dot(acc_up, u0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off + N * stride_s2,
+                                   n_mask, stride_s1, GROUP)
             u0 = u1
             u1 = u2
     y = tl.sum(acc, axis=1)  # [BN]
@@ -220,9 +229,11 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr
 
 def moe_gemv_int4(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor, out: torch.Tensor,
                   a_row_div: int, gated: bool, topk_weights: torch.Tensor | None = None,
-                  block_n: int = 32, num_warps: int = 2, split_k: int | None = None) -> torch.Tensor:
+                  block_n: int = 32, num_warps: int = 2, split_k: int | None = None,
+                  _loads_only: bool = False) -> torch.Tensor:
     """out [P, N or N/2 when gated] for the P = topk_ids.numel() pairs (see module docstring).
-    split_k None: default_split_k; counters come from (and stay zero in) w.splitk_counters."""
+    split_k None: default_split_k; counters come from (and stay zero in) w.splitk_counters.
+    _loads_only: the kernel's LOADS_ONLY timing variant (scripts/moe_gemv_probe.py); out is not a product."""
     pairs, n_out = check_pair_gemv("moe_gemv_int4", a, w, topk_ids, out, a_row_div, gated, "int4")
     if pairs == 0:
         return out
@@ -233,5 +244,5 @@ def moe_gemv_int4(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor, out
                            a_row_div, a.stride(0), w.weight.stride(0), w.weight.stride(1),
                            w.scales.stride(0), w.scales.stride(1), w.scales.stride(2), out.stride(0),
                            split, GROUP=w.group_size, GATED=gated, ROUTED=topk_weights is not None,
-                           BLOCK_N=block_n, num_warps=num_warps)
+                           BLOCK_N=block_n, LOADS_ONLY=_loads_only, num_warps=num_warps)
     return out
