@@ -102,6 +102,9 @@ def pick_configs(num_pairs: int, num_experts: int, fmt: str):
     stages is the fastest config at T = 8 (gate/up 47.1 us, down 24.1 us; BLOCK_N 64: 76.4 / 40.1)
     and at T = 64 (81.4 / 43.6 against 133.8 / 77.0); T = 1 takes the per-pair GEMV (_expert_gemvs)."""
     per_expert = num_pairs / num_experts
+    if fmt == "int4" and per_expert <= 24:
+        cfg = GemmConfig(16, 128, 128, 4, 3)
+        return cfg, cfg
     if per_expert <= 2:
         block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
     elif per_expert <= 24:
@@ -113,8 +116,6 @@ def pick_configs(num_pairs: int, num_experts: int, fmt: str):
     if fmt in ("fp8", "int4"):
         block_k = 128  # fp8: the scale block; int4: the packing tile
     cfg = GemmConfig(block_m, block_n, block_k, warps, stages)
-    if fmt == "int4" and per_expert <= 24:
-        cfg = GemmConfig(16, 128, 128, 4, 3)
     return cfg, cfg
 
 
