@@ -6,7 +6,12 @@ CUDA-graph replay medians on the same inputs; checks each candidate's output aga
 product with the dequantized weight; writes every timing and the best config per (kind, n, k, m)
 to OUT.json. FP8 block (--fp8): peers bf16 and the tiled FP8 kernel; candidates
 gemm_configs.fp8_gemv_candidates, checked against the W8A8 tiled kernel's output.
-Usage: python scripts/gemv_sweep.py OUT.json [--quick] [--fp8] [--no-w4a16]
+W4A16 weights are in the kernel layout's k-sliced code order (what the loader builds for K % 128 ==
+0), so the candidates run the sliced GEMV; --plain also times the plain-order GEMV's candidates on
+the same codes (kind "w4a16plain_gemv"), --v2lite adds V2-Lite's attention / dense-MLP shapes
+(2048 x 3648 fused q + kv_a, 2048 x 2048 o_proj, 512 x 4096 kv_b, 2048 x 21888 dense gate_up), and
+--m 1,2 picks the token counts.
+Usage: python scripts/gemv_sweep.py OUT.json [--quick] [--fp8] [--no-w4a16] [--plain] [--v2lite] [--m 1,2]
 """
 from __future__ import annotations
 
@@ -24,10 +29,19 @@ from dsquant.formats.int_grid import quantize_int_groupwise
 from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, fp8_gemv_candidates, fp8_tiled_config, w4a16_config
 from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_linear
-from dsquant.runtime.kernels.gemm.w4a16_repack import dequantize_w4a16, repack_awq
+from dsquant.formats.gptq import pack_gptq_qweight
+from dsquant.runtime.kernels.gemm.w4a16_repack import W4A16Weights, codes_nk, dequantize_w4a16, repack_awq
 
 SHAPES = [(7168, 18432), (7168, 4096), (2048, 10944), (2048, 2816)]
+V2LITE_SHAPES = [(2048, 3648), (2048, 2048), (512, 4096), (2048, 21888)]
 M_VALUES = [1, 2, 4]
+
+
+def plain_copy(w: W4A16Weights) -> W4A16Weights:
+    """The same codes, scales and zeros in the plain code order (nibble i of word c holds k = 8c + i)."""
+    qweight = pack_gptq_qweight(codes_nk(w).t().contiguous()).t().contiguous()  # [N, K/8]
+    return W4A16Weights(qweight=qweight, scales=w.scales, zeros=w.zeros, group_size=w.group_size, perm=w.perm,
+                        splitk_counters=torch.zeros_like(w.splitk_counters), sliced=False)
 
 
 def time_graph(fn, rep_ms=10) -> float:
@@ -36,9 +50,9 @@ def time_graph(fn, rep_ms=10) -> float:
 
 def candidates(m: int, quick: bool):
     bm = 1 << (m - 1).bit_length()
-    blocks = (32, 64, 128) if not quick else (64,)
+    blocks = (32, 64, 128) if not quick else (32, 64)
     for bn in blocks:
-        for warps in (2, 4, 8):
+        for warps in ((2, 4, 8) if not quick else (2, 4)):
             for split in (1, 2, 4, 8, 16):
                 yield GemmConfig(bm, bn, split, warps, 1, path="gemv")
 
@@ -92,21 +106,23 @@ def sweep_fp8(rows, best, t0) -> None:
             print(f"  best fp8 gemv {best.get(f'fp8 {n} {k} {m}')}  [{time.time() - t0:.0f} s]", flush=True)
 
 
-def main(out_path: str, quick: bool, fp8: bool, w4a16: bool) -> None:
+def main(out_path: str, quick: bool, fp8: bool, w4a16: bool, plain: bool = False,
+         shapes=SHAPES, m_values=M_VALUES) -> None:
     rows, best = [], {}
     t0 = time.time()
     if fp8:
         sweep_fp8(rows, best, t0)
         with open(out_path, "w") as f:
             json.dump({"rows": rows, "best": best}, f, indent=1)
-    for k, n in (SHAPES if w4a16 else []):
+    for k, n in (shapes if w4a16 else []):
         w = torch.randn(n, k, device="cuda") * 0.02
         q, s, z = quantize_int_groupwise(w, 128)
         int4 = repack_awq(*to_awq_tensors(q, s, z, dtype=torch.bfloat16), 128)
         dense = dequantize_w4a16(int4, torch.float32)  # [N, K]
         wb = w.to(torch.bfloat16)
         tg = _tinygemm_pack(q, s.float(), z, 128)
-        for m in M_VALUES:
+        int4_plain = plain_copy(int4) if plain else None
+        for m in m_values:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ dense.t()
             peers = {"bf16": lambda: torch.matmul(x, wb.t()),
@@ -118,12 +134,18 @@ def main(out_path: str, quick: bool, fp8: bool, w4a16: bool) -> None:
             time_candidates("w4a16_gemv", candidates(m, quick), lambda cfg: w4a16_linear(x, int4, cfg),
                             ref, 2e-2, rows, best, k, n, m)
             print(f"  best gemv {best.get(f'w4a16 {n} {k} {m}')}  [{time.time() - t0:.0f} s]", flush=True)
+            if plain:
+                time_candidates("w4a16plain_gemv", candidates(m, quick),
+                                lambda cfg: w4a16_linear(x, int4_plain, cfg), ref, 2e-2, rows, best, k, n, m)
+                print(f"  best plain gemv {best.get(f'w4a16plain {n} {k} {m}')}", flush=True)
             with open(out_path, "w") as f:  # after every M, so a cut-short sweep still counts
                 json.dump({"rows": rows, "best": best}, f, indent=1)
-        del w, int4, dense, wb, tg
+        del w, int4, int4_plain, dense, wb, tg
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "gemv_sweep.json", "--quick" in sys.argv,
-         "--fp8" in sys.argv, "--no-w4a16" not in sys.argv)
+    argv = sys.argv
+    ms = [int(v) for v in argv[argv.index("--m") + 1].split(",")] if "--m" in argv else M_VALUES
+    main(argv[1] if len(argv) > 1 else "gemv_sweep.json", "--quick" in argv, "--fp8" in argv,
+         "--no-w4a16" not in argv, "--plain" in argv, SHAPES + (V2LITE_SHAPES if "--v2lite" in argv else []), ms)

@@ -256,6 +256,22 @@ SLICED_CASES = [  # (M, group, config or None): K = 384, sliced for groups 32 an
 ]
 
 
+def test_w4a16_sliced_config_paths_by_token_count():
+    """Sliced weights: the GEMV at M = 1 and at M = 2 on small weights, the MMA kernel otherwise
+    below the dequantize sizes; the GEMV's split keeps >= 2 chunks a split and none at K = 512."""
+    from dsquant.runtime.kernels.gemm.gemm_configs import w4a16_config
+
+    def cfg(m, n, k):
+        return w4a16_config(m, n, k, 128, "cpu", sliced=True)
+
+    assert cfg(1, 18432, 7168).path == "gemv" and cfg(1, 18432, 7168).block_n == 64
+    assert (cfg(1, 2048, 2048).path, cfg(1, 2048, 2048).block_n, cfg(1, 2048, 2048).split_k) == ("gemv", 32, 8)
+    assert cfg(1, 4096, 512).split_k == 1 and cfg(1, 2816, 384).split_k == 1
+    assert cfg(2, 3648, 2048).path == "gemv" and cfg(2, 3648, 2048).block_m == 2
+    assert cfg(2, 18432, 7168).path == "fused" and cfg(4, 2048, 2048).path == "fused"
+    assert cfg(300, 2048, 2048).path == "dequant"
+
+
 @pytest.mark.parametrize("m,group,cfg", SLICED_CASES)
 def test_w4a16_sliced_matches_reference(device, m, group, cfg):
     """Weights in the k-sliced order on every path (GEMV, the MMA kernel with uneven split-K,

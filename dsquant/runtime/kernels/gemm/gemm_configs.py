@@ -143,7 +143,27 @@ TUNED_SLICED_SM90: dict = {
 }
 
 
+# Decode sizes where the GEMV over the k-sliced order (w4a16_gemv._w4a16_gemv_sliced_kernel) beats the
+# MMA kernel's 16-token tile, from `scripts/gemv_sweep.py --quick --plain --v2lite --m 1,2` on the H200
+# (2026-12-04, graph medians, sliced GEMV / MMA default / plain-order GEMV, us): M = 1 on every shape
+# within 4% or better (7168x18432 37.2 / 43.7 / 36.3; 2048x3648 5.22 / 6.51; 2048x2048 4.37 / 5.81;
+# 512x4096 3.29 / 4.35; 2048x21888 14.1 / 16.0; 7168x4096 10.9 / 10.4; 2048x10944 9.08 / 8.83); M = 2
+# only on the small shapes (2048x2048 5.20 / 5.82, 2048x3648 6.17 / 6.78, 512x4096 3.93 / 4.38; on
+# 7168x18432 55.5 / 44.2).
+SLICED_GEMV_M2_MAX_WORK = 8 << 20  # N * K
+
+
+def sliced_gemv_config(m: int, n: int, k: int) -> GemmConfig:
+    """The sliced-order GEMV's config, by the same sweep: 2 warps, 32 channels per program up to N =
+    4096 (64 above, at M = 1), split-K 8 chunks-permitting (>= 2 chunks a split), none at <= 4 chunks."""
+    chunks = k // 128
+    split = 1 if chunks <= 4 else fit_split(chunks, 2)
+    return GemmConfig(triton_next_pow2(m), 64 if m == 1 and n > 4096 else 32, split, 2, 1, path="gemv")
+
+
 def _sliced_config(m: int, n: int, k: int, device) -> GemmConfig:
+    if m == 1 or (m == 2 and n * k <= SLICED_GEMV_M2_MAX_WORK):
+        return sliced_gemv_config(m, n, k)
     table = TUNED_SLICED_SM90 if _gpu_family(device) == "sm90" else {}
     tuned = table.get((m_bucket(m), n, k))
     if tuned is not None:
@@ -158,11 +178,9 @@ def _sliced_config(m: int, n: int, k: int, device) -> GemmConfig:
 def w4a16_config(m: int, n: int, k: int, group_size: int, device=None, sliced: bool = False) -> GemmConfig:
     """The path and launch config for M tokens; `sliced`: the weight is in the k-sliced code order.
 
-    Sliced weights take the MMA kernel at every M < 256, M = 1 and 2 included: on the H200
-    (2026-12-03) its 16-token tile ran M = 1 in 41.5 us and M = 2 in 42.4 us on 7168 x 18432, where
-    the first k-sliced GEMV took 73.7 / 110.4 us (the plain-order GEMV: 36.5 / 52.4). The GEMV over
-    the sliced order was rewritten after that run and is reachable with an explicit path="gemv"
-    config until it is timed."""
+    Sliced weights take the sliced-order GEMV at M = 1 and at M = 2 on small weights
+    (SLICED_GEMV_M2_MAX_WORK; the sweep is in the comment above it), and the MMA kernel at every
+    other M < 256."""
     if sliced:
         return _sliced_config(m, n, k, device)
     if m <= GEMV_MAX_M:

@@ -14,7 +14,7 @@ with the dot accumulated in fp32, so the per-element dequant cost is a shift, a 
 
 This kernel reads the plain code order (shapes where K % 128 != 0 or G > 128); weights in the
 k-sliced order (W4A16Weights.sliced) take w4a16_mma.py's kernel instead, for every M below the
-dequantize path (gemm_configs.w4a16_config says why M <= 2 too).
+dequantize path except the decode sizes where the sliced-order GEMV wins (gemm_configs.w4a16_config).
 Paths for plain-order weights, chosen by M through gemm_configs.w4a16_config: M <= 2, the GEMV of w4a16_gemv.py (no
 tensor cores); decode (M <= 64) tiles of 16..64 tokens
 with split-K over groups (splitk.store_tile) to cover every multiprocessor; prefill tiles of
