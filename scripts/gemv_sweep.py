@@ -29,6 +29,7 @@ from dsquant.formats.int_grid import quantize_int_groupwise
 from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, fp8_gemv_candidates, fp8_tiled_config, w4a16_config
 from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_linear
+from dsquant.runtime.kernels.gemm.w4a16_gemv import w4a16_gemv
 from dsquant.formats.gptq import pack_gptq_qweight
 from dsquant.runtime.kernels.gemm.w4a16_repack import W4A16Weights, codes_nk, dequantize_w4a16, repack_awq
 
@@ -129,6 +130,11 @@ def main(out_path: str, quick: bool, fp8: bool, w4a16: bool, plain: bool = False
                      "tinygemm": lambda: torch.ops.aten._weight_int4pack_mm(x, tg[0], 128, tg[1]),
                      "w4a16_tiled": lambda: w4a16_linear(x, int4, GemmConfig(16, 64, 8, 4, 4)),
                      "w4a16_default": lambda: w4a16_linear(x, int4)}
+            dflt = w4a16_config(m, n, k, 128, x.device, sliced=True)
+            if dflt.path == "gemv":  # the default GEMV with the nibble's AND and OR as two LOP3s
+                out2 = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                peers["w4a16_gemv_two_lop3"] = lambda: w4a16_gemv(x, int4, out2, dflt.block_n, dflt.split_k,
+                                                                  dflt.num_warps, asm=False)
             time_peers(peers, rows, k, n, m)
             print(f"  default config: {w4a16_config(m, n, k, 128, x.device)}")
             time_candidates("w4a16_gemv", candidates(m, quick), lambda cfg: w4a16_linear(x, int4, cfg),

@@ -9,7 +9,8 @@ as CUDA-graph replays over `--layers` weight copies (read from HBM, not L2), in 
               dequantization, no activation / scale / zero loads
 and the bytes of the experts the pairs read (codes + scales + zeros) over each time, against the 4.25
 TB/s roofline. full - loads_only is what the dequantization and dot cost; loads_only against the
-roofline is what the launch shape and load pattern cost.
+roofline is what the launch shape and load pattern cost. full_two_lop3: the full kernel with the
+nibble's AND and OR as plain Triton ops (two LOP3s a code) instead of one inline lop3.
 """
 from __future__ import annotations
 
@@ -73,11 +74,13 @@ def main() -> None:
                 ref = (torch.nn.functional.silu(y[:, :n_out]) * y[:, n_out:]) if gated else \
                     y * tw.reshape(-1, 1).float()
                 r["rel_err"] = float((out.float() - ref).norm() / ref.norm())
-                for form, loads_only in (("full", False), ("loads_only", True)):
-                    def run(loads_only=loads_only):
+                for form, loads_only, asm in (("full", False, None), ("loads_only", True, None),
+                                              ("full_two_lop3", False, False)):
+                    def run(loads_only=loads_only, asm=asm):
                         for a_, g_, ids_, out_, tw_ in calls:
                             moe_gemv_int4(a_, g_, ids_, out_, TOP_K + N_SHARED if gated else 1, gated,
-                                          None if gated else tw_, block_n, warps, split, _loads_only=loads_only)
+                                          None if gated else tw_, block_n, warps, split, _loads_only=loads_only,
+                                          _asm=asm)
                     us = tt.do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3 / len(calls)
                     r[f"{form}_us"] = us
                     r[f"{form}_roofline"] = nbytes / us / 1e3 / ROOFLINE_GBS

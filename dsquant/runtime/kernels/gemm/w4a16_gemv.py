@@ -19,6 +19,8 @@ in-thread joins as above, and x is gathered in the order the unpacked columns co
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -27,29 +29,40 @@ from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, sto
 
 
 @triton.jit
-def _nib(qw, I: tl.constexpr):
-    """fp32 128 + nibble I of each word (the code at bits 16..19 of 128.0)."""
-    if I <= 4:
-        v = (qw << (16 - 4 * I)) & 0xF0000
-    else:
-        v = (qw >> (4 * I - 16)) & 0xF0000
-    return v | 0x43000000
+def mask_or_f32(bits, ASM: tl.constexpr):
+    """fp32 with the bit pattern (bits & 0xF0000) | 0x43000000, i.e. 128 + the nibble at bits 16..19.
+    ASM (a GPU, not TRITON_INTERPRET): one lop3; ptxas issues the plain form as two LOP3s a code
+    (the sm_90 SASS of the MoE GEMV: 260 LOP3 in a 737-instruction loop body, 132 of 611 with it)."""
+    if ASM:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, 983040, 1124073472, 234;", "=r,r", [bits],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return ((bits & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def codes_as_f32(qw, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _nib(qw, I: tl.constexpr, ASM: tl.constexpr):
+    """fp32 128 + nibble I of each word (the code at bits 16..19 of 128.0)."""
+    if I <= 4:
+        v = qw << (16 - 4 * I)
+    else:
+        v = qw >> (4 * I - 16)
+    return mask_or_f32(v, ASM)
+
+
+@triton.jit
+def codes_as_f32(qw, ROWS: tl.constexpr, COLS: tl.constexpr, ASM: tl.constexpr = False):
     """int32 [ROWS, COLS/8] -> fp32 [ROWS, COLS] = 128 + q; column 8c + i = nibble i of word c."""
     # join adds a minor axis of 2: three levels give index 4*i0 + 2*i1 + i2 = nibble
-    q = tl.join(tl.join(tl.join(_nib(qw, 0), _nib(qw, 4)), tl.join(_nib(qw, 2), _nib(qw, 6))),
-                tl.join(tl.join(_nib(qw, 1), _nib(qw, 5)), tl.join(_nib(qw, 3), _nib(qw, 7))))
-    return tl.reshape(q, (ROWS, COLS)).to(tl.float32, bitcast=True)  # [ROWS, COLS/8, 2, 2, 2] -> [ROWS, COLS]
+    q = tl.join(tl.join(tl.join(_nib(qw, 0, ASM), _nib(qw, 4, ASM)), tl.join(_nib(qw, 2, ASM), _nib(qw, 6, ASM))),
+                tl.join(tl.join(_nib(qw, 1, ASM), _nib(qw, 5, ASM)), tl.join(_nib(qw, 3, ASM), _nib(qw, 7, ASM))))
+    return tl.reshape(q, (ROWS, COLS))  # [ROWS, COLS/8, 2, 2, 2] -> [ROWS, COLS]
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])  # one compile for any M <= BLOCK_M and any split
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counters_ptr,
                        M, N, num_groups, stride_xm, stride_qn, stride_sg, stride_zg, stride_om,
                        split_k, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                       HAS_PERM: tl.constexpr):
+                       HAS_PERM: tl.constexpr, ASM: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -68,7 +81,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
         k_idx = g * GROUP + offs_k  # [G]
         if HAS_PERM:
             k_idx = tl.load(perm_ptr + k_idx)
-        w = codes_as_f32(qw, BLOCK_N, GROUP)  # [BN, G] = 128 + q
+        w = codes_as_f32(qw, BLOCK_N, GROUP, ASM)  # [BN, G] = 128 + q
         for m in tl.static_range(BLOCK_M):
             x = tl.load(x_ptr + m * stride_xm + k_idx, mask=(k_idx >= 0) & (m < M),
                         other=0.0).to(tl.float32)  # [G]
@@ -80,18 +93,19 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
 
 
 @triton.jit
-def sliced_planes_as_f32(qw, FIRST: tl.constexpr, COUNT: tl.constexpr, ROWS: tl.constexpr):
+def sliced_planes_as_f32(qw, FIRST: tl.constexpr, COUNT: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr = False):
     """words [ROWS, 16] -> fp32 [ROWS, 16 * COUNT] = 128 + q of nibble planes FIRST .. FIRST + COUNT - 1;
     column COUNT * w + t holds plane FIRST + t of word w, i.e. input channel 16 (FIRST + t) + w of
     the chunk. In-thread joins, as codes_as_f32 (COUNT 2, 4 or 8)."""
     if COUNT == 8:  # every plane: the plain unpack, column 8w + t
-        w = codes_as_f32(qw, ROWS, 128)
+        w = codes_as_f32(qw, ROWS, 128, ASM)
     else:
         if COUNT == 4:
-            q = tl.join(tl.join(_nib(qw, FIRST), _nib(qw, FIRST + 2)), tl.join(_nib(qw, FIRST + 1), _nib(qw, FIRST + 3)))
+            q = tl.join(tl.join(_nib(qw, FIRST, ASM), _nib(qw, FIRST + 2, ASM)),
+                        tl.join(_nib(qw, FIRST + 1, ASM), _nib(qw, FIRST + 3, ASM)))
         else:
-            q = tl.join(_nib(qw, FIRST), _nib(qw, FIRST + 1))
-        w = tl.reshape(q, (ROWS, 16 * COUNT)).to(tl.float32, bitcast=True)
+            q = tl.join(_nib(qw, FIRST, ASM), _nib(qw, FIRST + 1, ASM))
+        w = tl.reshape(q, (ROWS, 16 * COUNT))
     return w
 
 
@@ -99,7 +113,7 @@ def sliced_planes_as_f32(qw, FIRST: tl.constexpr, COUNT: tl.constexpr, ROWS: tl.
 def _w4a16_gemv_sliced_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counters_ptr,
                               M, N, num_chunks, stride_xm, stride_qn, stride_sg, stride_zg, stride_om,
                               split_k, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                              HAS_PERM: tl.constexpr):
+                              HAS_PERM: tl.constexpr, ASM: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -122,7 +136,7 @@ def _w4a16_gemv_sliced_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, pa
             k_idx = c * 128 + 16 * first + k_in_chunk  # [G]
             if HAS_PERM:
                 k_idx = tl.load(perm_ptr + k_idx)
-            w = sliced_planes_as_f32(qw, first, PLANES, BLOCK_N)  # [BN, G] = 128 + q
+            w = sliced_planes_as_f32(qw, first, PLANES, BLOCK_N, ASM)  # [BN, G] = 128 + q
             for m in tl.static_range(BLOCK_M):
                 x = tl.load(x_ptr + m * stride_xm + k_idx, mask=(k_idx >= 0) & (m < M),
                             other=0.0).to(tl.float32)  # [G], gathered in the columns' order
@@ -133,9 +147,10 @@ def _w4a16_gemv_sliced_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, pa
 
 
 def w4a16_gemv(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, split_k: int,
-               num_warps: int, num_stages: int = 1) -> torch.Tensor:
+               num_warps: int, num_stages: int = 1, asm: bool | None = None) -> torch.Tensor:
     """out [M, N] = x2 [M, K] @ dequant(w)^T for M <= 4 (w: W4A16Weights; inputs checked
-    by w4a16_gemm.w4a16_linear)."""
+    by w4a16_gemm.w4a16_linear). asm: the one-lop3 nibble conversion (mask_or_f32); None: on a GPU,
+    not under TRITON_INTERPRET."""
     m, k = x2.shape
     n = w.out_features
     if not 1 <= m <= 4:
@@ -151,5 +166,6 @@ def w4a16_gemv(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, split_k: in
         m, n, steps, x2.stride(0), w.qweight.stride(0), w.scales.stride(0),
         w.zeros.stride(0), out.stride(0), split,
         GROUP=w.group_size, BLOCK_N=block_n, BLOCK_M=triton.next_power_of_2(m),
-        HAS_PERM=w.perm is not None, num_warps=num_warps, num_stages=num_stages)
+        HAS_PERM=w.perm is not None, ASM=os.environ.get("TRITON_INTERPRET", "0") != "1" if asm is None else asm,
+        num_warps=num_warps, num_stages=num_stages)
     return out

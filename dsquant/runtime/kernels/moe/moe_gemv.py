@@ -32,6 +32,8 @@ from dsquant.runtime.kernels.ops.activation import silu_mul_as_reference
 from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight
 from dsquant.runtime.kernels.moe.moe_int4_loop import _int4_tile
 from dsquant.runtime.kernels.gemm.splitk import reduce_splits, split_range, splitk_buffers
+from dsquant.runtime.kernels.gemm.w4a16_gemv import mask_or_f32
+from dsquant.runtime.kernels.gemm.w4a16_mma import paired_default
 
 MOE_GEMV_MAX_PAIRS = 16  # fused_moe takes the GEMV for at most this many (token, expert) pairs
 # split-K rule: at least this many programs (about 10.6 one-warp programs per SM on 132 SMs), each
@@ -139,28 +141,32 @@ def pair_epilogue(y, y_up, out_ptr, part_ptr, counters_ptr, topk_w_ptr, pair, pi
 
 
 @triton.jit
-def _plane_f32(packed, J: tl.constexpr):
-    """Nibble plane J of int32 words -> fp32 128 + q (same shape)."""
-    SHIFT: tl.constexpr = 16 - 4 * J
-    if SHIFT >= 0:
-        bits = (packed << SHIFT) & 0xF0000
+def _plane_f32(packed, high, J: tl.constexpr, ASM: tl.constexpr):
+    """Nibble plane J of int32 words -> fp32 128 + q (same shape); high = packed >> 16, so planes 5..7
+    take a left shift (which ptxas may issue as an IMAD on the FMA pipe) like planes 0..3, and
+    plane 4 none."""
+    if J == 4:
+        bits = packed
+    elif J < 4:
+        bits = packed << (16 - 4 * J)
     else:
-        bits = (packed >> (-SHIFT)) & 0xF0000
-    return (bits | 0x43000000).to(tl.float32, bitcast=True)
+        bits = high << (32 - 4 * J)
+    return mask_or_f32(bits, ASM)
 
 
 @triton.jit
 def _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1,
-              GROUP: tl.constexpr):
+              GROUP: tl.constexpr, ASM: tl.constexpr = False):
     """acc [BN, 16] += scaled partial sums of one 128-channel tile (packed [BN, 16] words)."""
     PLANES: tl.constexpr = GROUP // 16  # nibble planes per quantization group
     i = tl.arange(0, 16)
+    high = packed >> 16  # [BN, 16]
     for gi in tl.static_range(8 // PLANES):
         part = tl.zeros_like(acc)  # [BN, 16]
         a_sum = tl.zeros([16], dtype=tl.float32)
         for jj in tl.static_range(PLANES):
             a_j = tl.load(a_ptr + a_off + k0 + 16 * (gi * PLANES + jj) + i).to(tl.float32)  # [16]
-            part += _plane_f32(packed, gi * PLANES + jj) * a_j[None, :]
+            part += _plane_f32(packed, high, gi * PLANES + jj, ASM) * a_j[None, :]
             a_sum += a_j
         g = (k0 + 16 * gi * PLANES) // GROUP
         s = tl.load(s_ptr + s_off + g * stride_s1, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
@@ -173,7 +179,7 @@ def _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride
 def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr, topk_w_ptr, ids_ptr,
                      N, K, a_row_div, stride_am, stride_we, stride_wc, stride_se, stride_s1, stride_s2,
                      stride_om, split_k, GROUP: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, LOADS_ONLY: tl.constexpr = False):
+                     BLOCK_N: tl.constexpr, LOADS_ONLY: tl.constexpr = False, ASM: tl.constexpr = False):
     """Grid (P, cdiv(N, BLOCK_N), split_k); a [rows, K], qweight/scales/zeros, out [P, N] and
     part fp32 [split_k, P, 2 or 1, N] as in the module docstring; K % 128 == 0.
     LOADS_ONLY (scripts/moe_gemv_probe.py only; the output is not a product): the same weight loads,
@@ -207,7 +213,7 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr
         if LOADS_ONLY:
             acc += p0.to(tl.float32)
         else:
-            acc = _tile_dot(acc, p0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1, GROUP)
+            acc = _tile_dot(acc, p0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1, GROUP, ASM)
         p0 = p1
         p1 = p2
         if GATED:
@@ -216,7 +222,7 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr
                 acc_up += u0.to(tl.float32)
             else:
                 acc_up = _tile_dot(acc_up, u0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off + N * stride_s2,
-                                   n_mask, stride_s1, GROUP)
+                                   n_mask, stride_s1, GROUP, ASM)
             u0 = u1
             u1 = u2
     y = tl.sum(acc, axis=1)  # [BN]
@@ -230,10 +236,11 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr
 def moe_gemv_int4(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor, out: torch.Tensor,
                   a_row_div: int, gated: bool, topk_weights: torch.Tensor | None = None,
                   block_n: int = 32, num_warps: int = 2, split_k: int | None = None,
-                  _loads_only: bool = False) -> torch.Tensor:
+                  _loads_only: bool = False, _asm: bool | None = None) -> torch.Tensor:
     """out [P, N or N/2 when gated] for the P = topk_ids.numel() pairs (see module docstring).
     split_k None: default_split_k; counters come from (and stay zero in) w.splitk_counters.
-    _loads_only: the kernel's LOADS_ONLY timing variant (scripts/moe_gemv_probe.py); out is not a product."""
+    _loads_only: the kernel's LOADS_ONLY timing variant (scripts/moe_gemv_probe.py); out is not a product.
+    _asm: the one-lop3 nibble conversion (None: on a GPU, not under TRITON_INTERPRET); False for the probe's A/B."""
     pairs, n_out = check_pair_gemv("moe_gemv_int4", a, w, topk_ids, out, a_row_div, gated, "int4")
     if pairs == 0:
         return out
@@ -244,5 +251,6 @@ def moe_gemv_int4(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor, out
                            a_row_div, a.stride(0), w.weight.stride(0), w.weight.stride(1),
                            w.scales.stride(0), w.scales.stride(1), w.scales.stride(2), out.stride(0),
                            split, GROUP=w.group_size, GATED=gated, ROUTED=topk_weights is not None,
-                           BLOCK_N=block_n, LOADS_ONLY=_loads_only, num_warps=num_warps)
+                           BLOCK_N=block_n, LOADS_ONLY=_loads_only, ASM=paired_default() if _asm is None else _asm,
+                           num_warps=num_warps)
     return out
