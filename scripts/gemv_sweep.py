@@ -10,8 +10,10 @@ W4A16 weights are in the kernel layout's k-sliced code order (what the loader bu
 0), so the candidates run the sliced GEMV; --plain also times the plain-order GEMV's candidates on
 the same codes (kind "w4a16plain_gemv"), --v2lite adds V2-Lite's attention / dense-MLP shapes
 (2048 x 3648 fused q + kv_a, 2048 x 2048 o_proj, 512 x 4096 kv_b, 2048 x 21888 dense gate_up), and
---m 1,2 picks the token counts.
+--m 1,2 picks the token counts, --kblock adds the K-block GEMV's candidates (w4a16_gemv_kblock.py) and
+--no-gemv drops the one-chunk GEMV's.
 Usage: python scripts/gemv_sweep.py OUT.json [--quick] [--fp8] [--no-w4a16] [--plain] [--v2lite] [--m 1,2]
+       [--kblock] [--no-gemv]
 """
 from __future__ import annotations
 
@@ -56,6 +58,17 @@ def candidates(m: int, quick: bool):
         for warps in ((2, 4, 8) if not quick else (2, 4)):
             for split in (1, 2, 4, 8, 16):
                 yield GemmConfig(bm, bn, split, warps, 1, path="gemv")
+
+
+def kblock_candidates(m: int, k: int):
+    """The K-block GEMV (w4a16_gemv_kblock.py, sliced weights, M <= 2): block_n x k_chunks x warps x split-K."""
+    chunks = k // 128
+    for bn in (16, 32):
+        for kc in (4, 8, 16):
+            for warps in (2, 4):
+                for split in (1, 2, 4, 8):
+                    if split == 1 or split <= -(-chunks // kc):
+                        yield GemmConfig(m, bn, split, warps, 1, path="gemv_kblock", k_chunks=kc)
 
 
 def rel_err(y, ref) -> float:
@@ -108,7 +121,7 @@ def sweep_fp8(rows, best, t0) -> None:
 
 
 def main(out_path: str, quick: bool, fp8: bool, w4a16: bool, plain: bool = False,
-         shapes=SHAPES, m_values=M_VALUES) -> None:
+         shapes=SHAPES, m_values=M_VALUES, kblock: bool = False, gemv: bool = True) -> None:
     rows, best = [], {}
     t0 = time.time()
     if fp8:
@@ -137,9 +150,13 @@ def main(out_path: str, quick: bool, fp8: bool, w4a16: bool, plain: bool = False
                                                                   dflt.num_warps, asm=False)
             time_peers(peers, rows, k, n, m)
             print(f"  default config: {w4a16_config(m, n, k, 128, x.device)}")
-            time_candidates("w4a16_gemv", candidates(m, quick), lambda cfg: w4a16_linear(x, int4, cfg),
+            time_candidates("w4a16_gemv", candidates(m, quick) if gemv else [], lambda cfg: w4a16_linear(x, int4, cfg),
                             ref, 2e-2, rows, best, k, n, m)
             print(f"  best gemv {best.get(f'w4a16 {n} {k} {m}')}  [{time.time() - t0:.0f} s]", flush=True)
+            if kblock and m <= 2:
+                time_candidates("w4a16kblock_gemv", kblock_candidates(m, k), lambda cfg: w4a16_linear(x, int4, cfg),
+                                ref, 2e-2, rows, best, k, n, m)
+                print(f"  best kblock gemv {best.get(f'w4a16kblock {n} {k} {m}')}", flush=True)
             if plain:
                 time_candidates("w4a16plain_gemv", candidates(m, quick),
                                 lambda cfg: w4a16_linear(x, int4_plain, cfg), ref, 2e-2, rows, best, k, n, m)
@@ -154,4 +171,5 @@ if __name__ == "__main__":
     argv = sys.argv
     ms = [int(v) for v in argv[argv.index("--m") + 1].split(",")] if "--m" in argv else M_VALUES
     main(argv[1] if len(argv) > 1 else "gemv_sweep.json", "--quick" in argv, "--fp8" in argv,
-         "--no-w4a16" not in argv, "--plain" in argv, SHAPES + (V2LITE_SHAPES if "--v2lite" in argv else []), ms)
+         "--no-w4a16" not in argv, "--plain" in argv, SHAPES + (V2LITE_SHAPES if "--v2lite" in argv else []), ms,
+         "--kblock" in argv, "--no-gemv" not in argv)

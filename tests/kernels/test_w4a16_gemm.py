@@ -165,6 +165,8 @@ def test_w4a16_rejects_wrong_in_features(device):
 GPU_SHAPES = [  # (N, K, group): DeepSeek dense-MLP and attention projections
     (576, 2048, 64),  # V2-Lite kv_a_proj_with_mqa (512 + 64 rope): 4.5 blocks of 128
     (2048, 2048, 128),  # V2-Lite o_proj
+    (3648, 2048, 32),  # V2-Lite q_proj + kv_a_proj fused (the K-block GEMV at M = 1)
+    (4096, 512, 64),  # V2-Lite kv_b_proj: K = 4 chunks
     (10944, 2048, 128),  # V2-Lite dense gate / up (tuned configs)
     (2048, 10944, 64),  # V2-Lite dense down: K = 85.5 x 128, so group <= 64
     (2048, 11008, 128),  # down at the group-128 width 11008 = 86 x 128
@@ -253,20 +255,28 @@ SLICED_CASES = [  # (M, group, config or None): K = 384, sliced for groups 32 an
     (1, 128, GemmConfig(1, 64, 3, 2, 1, path="gemv")), (5, 64, GemmConfig(16, 128, 2, 4, 2)),
     (40, 32, GemmConfig(64, 64, 3, 4, 2)), (100, 64, GemmConfig(64, 64, 1, 4, 2)),
     (17, 32, GemmConfig(64, 64, 1, 4, 2, path="dequant")),
+    # the K-block GEMV: 2-chunk steps over 3 chunks (the second step half masked), split 2, M = 1 and 2
+    (1, 128, GemmConfig(1, 32, 1, 2, 1, path="gemv_kblock", k_chunks=2)),
+    (2, 64, GemmConfig(2, 16, 2, 2, 1, path="gemv_kblock", k_chunks=2)),
+    (1, 32, GemmConfig(1, 64, 2, 4, 1, path="gemv_kblock", k_chunks=1)),
+    (2, 32, GemmConfig(2, 32, 1, 4, 1, path="gemv_kblock", k_chunks=4)),
 ]
 
 
 def test_w4a16_sliced_config_paths_by_token_count():
-    """Sliced weights: the GEMV at M = 1 and at M = 2 on small weights, the MMA kernel otherwise
-    below the dequantize sizes; the GEMV's split keeps >= 2 chunks a split and none at K = 512."""
+    """Sliced weights: the K-block GEMV at M = 1 on small weights (all of K in one step), the one-chunk
+    GEMV at M = 1 above them and at M = 2 on small weights, the MMA kernel otherwise below the
+    dequantize sizes."""
     from dsquant.runtime.kernels.gemm.gemm_configs import w4a16_config
 
     def cfg(m, n, k):
         return w4a16_config(m, n, k, 128, "cpu", sliced=True)
 
     assert cfg(1, 18432, 7168).path == "gemv" and cfg(1, 18432, 7168).block_n == 64
-    assert (cfg(1, 2048, 2048).path, cfg(1, 2048, 2048).block_n, cfg(1, 2048, 2048).split_k) == ("gemv", 32, 8)
-    assert cfg(1, 4096, 512).split_k == 1 and cfg(1, 2816, 384).split_k == 1
+    assert (cfg(1, 10944, 2048).path, cfg(1, 10944, 2048).block_n, cfg(1, 10944, 2048).split_k) == ("gemv", 64, 8)
+    assert (cfg(1, 2048, 2048).path, cfg(1, 2048, 2048).k_chunks, cfg(1, 2048, 2048).split_k) == ("gemv_kblock", 16, 1)
+    assert cfg(1, 4096, 512).k_chunks == 4 and cfg(1, 2816, 384).k_chunks == 4
+    assert cfg(1, 4096, 7168).path == "gemv" and cfg(1, 8192, 2048).path == "gemv"
     assert cfg(2, 3648, 2048).path == "gemv" and cfg(2, 3648, 2048).block_m == 2
     assert cfg(2, 18432, 7168).path == "fused" and cfg(4, 2048, 2048).path == "fused"
     assert cfg(300, 2048, 2048).path == "dequant"
@@ -285,7 +295,8 @@ def test_w4a16_sliced_matches_reference(device, m, group, cfg):
     assert int(packed.splitk_counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("m,cfg", [(1, None), (6, None), (33, None), (2, GemmConfig(2, 32, 2, 2, 1, path="gemv"))])
+@pytest.mark.parametrize("m,cfg", [(1, None), (6, None), (33, None), (2, GemmConfig(2, 32, 2, 2, 1, path="gemv")),
+                                   (2, GemmConfig(2, 16, 1, 2, 1, path="gemv_kblock", k_chunks=2))])
 def test_w4a16_sliced_gptq_act_order(device, m, cfg):
     """GPTQ act-order on the k-sliced order (K = 256, G = 64): the MMA kernel and the GEMV gather
     x[:, perm]."""

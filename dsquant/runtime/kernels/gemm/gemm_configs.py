@@ -21,7 +21,8 @@ class GemmConfig:
     split_k: int  # programs sharing one output tile along K
     num_warps: int
     num_stages: int
-    path: str = "fused"  # W4A16: "gemv" | "fused" | "dequant" (dequantize + cuBLAS); FP8: "fused" | "weight_only"
+    path: str = "fused"  # W4A16: "gemv" | "gemv_kblock" | "fused" | "dequant" (dequantize + cuBLAS); FP8: "fused" | "weight_only"
+    k_chunks: int = 1  # "gemv_kblock": 128-channel chunks a program loads per step
 
 
 DECODE_MAX_M = 64
@@ -161,7 +162,18 @@ def sliced_gemv_config(m: int, n: int, k: int) -> GemmConfig:
     return GemmConfig(triton_next_pow2(m), 64 if m == 1 and n > 4096 else 32, split, 2, 1, path="gemv")
 
 
+# The K-block GEMV (w4a16_gemv_kblock.py) on the small V2-Lite projections at M = 1, from
+# `scripts/gemv_sweep.py --quick --v2lite --m 1 --kblock --no-gemv` on the H200 (2026-12-04, after the
+# one-lop3 change; K-block / one-chunk GEMV / tinygemm, us): 2048x2048 3.62 / 4.35 / 3.32, 512x4096
+# 2.36 / 3.11 / 2.55, 2048x3648 4.61 / 4.91 / 3.86, 2048x2816 4.52 / 4.66 / 3.57; 16 channels, 4 warps,
+# all of K in one step, no split. It loses from 2048x10944 up (8.44 / 7.86) and at K = 7168.
+KBLOCK_MAX_K = 2048
+KBLOCK_MAX_N = 4096
+
+
 def _sliced_config(m: int, n: int, k: int, device) -> GemmConfig:
+    if m == 1 and k <= KBLOCK_MAX_K and n <= KBLOCK_MAX_N:
+        return GemmConfig(1, 16, 1, 4, 1, path="gemv_kblock", k_chunks=min(16, triton_next_pow2(k // 128)))
     if m == 1 or (m == 2 and n * k <= SLICED_GEMV_M2_MAX_WORK):
         return sliced_gemv_config(m, n, k)
     table = TUNED_SLICED_SM90 if _gpu_family(device) == "sm90" else {}
@@ -178,8 +190,9 @@ def _sliced_config(m: int, n: int, k: int, device) -> GemmConfig:
 def w4a16_config(m: int, n: int, k: int, group_size: int, device=None, sliced: bool = False) -> GemmConfig:
     """The path and launch config for M tokens; `sliced`: the weight is in the k-sliced code order.
 
-    Sliced weights take the sliced-order GEMV at M = 1 and at M = 2 on small weights
-    (SLICED_GEMV_M2_MAX_WORK; the sweep is in the comment above it), and the MMA kernel at every
+    Sliced weights take the K-block GEMV at M = 1 on small weights (KBLOCK_MAX_K / _N), the
+    one-chunk sliced-order GEMV at M = 1 otherwise and at M = 2 on small weights
+    (SLICED_GEMV_M2_MAX_WORK; the sweeps are in the comments above), and the MMA kernel at every
     other M < 256."""
     if sliced:
         return _sliced_config(m, n, k, device)

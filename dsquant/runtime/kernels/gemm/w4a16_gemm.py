@@ -29,6 +29,7 @@ import triton.language as tl
 from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, w4a16_config
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
 from dsquant.runtime.kernels.gemm.w4a16_gemv import w4a16_gemv
+from dsquant.runtime.kernels.gemm.w4a16_gemv_kblock import w4a16_gemv_kblock
 from dsquant.runtime.kernels.gemm.w4a16_mma import w4a16_mma
 from dsquant.runtime.kernels.gemm.w4a16_repack import W4A16Weights
 
@@ -195,6 +196,9 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weights, config: GemmConfig | None = N
         return out.reshape(*x.shape[:-1], n)
     if cfg.path == "gemv":
         w4a16_gemv(x2, w, out, cfg.block_n, cfg.split_k, cfg.num_warps, cfg.num_stages)
+        return out.reshape(*x.shape[:-1], n)
+    if cfg.path == "gemv_kblock":
+        w4a16_gemv_kblock(x2, w, out, cfg.block_n, cfg.k_chunks, cfg.split_k, cfg.num_warps, cfg.num_stages)
         return out.reshape(*x.shape[:-1], n)
     if w.sliced:
         w4a16_mma(x2, w.qweight, w.scales, w.zeros, w.group_size, out, cfg.block_n, cfg.block_m,

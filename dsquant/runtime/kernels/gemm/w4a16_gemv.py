@@ -40,6 +40,20 @@ def mask_or_f32(bits, ASM: tl.constexpr):
 
 
 @triton.jit
+def plane_f32(packed, high, J: tl.constexpr, ASM: tl.constexpr):
+    """Nibble plane J of int32 words -> fp32 128 + q (same shape); high = packed >> 16, so planes 5..7
+    take a left shift (which ptxas may issue as an IMAD on the FMA pipe) like planes 0..3, and
+    plane 4 none."""
+    if J == 4:
+        bits = packed
+    elif J < 4:
+        bits = packed << (16 - 4 * J)
+    else:
+        bits = high << (32 - 4 * J)
+    return mask_or_f32(bits, ASM)
+
+
+@triton.jit
 def _nib(qw, I: tl.constexpr, ASM: tl.constexpr):
     """fp32 128 + nibble I of each word (the code at bits 16..19 of 128.0)."""
     if I <= 4:

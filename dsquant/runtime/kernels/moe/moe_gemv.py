@@ -32,7 +32,7 @@ from dsquant.runtime.kernels.ops.activation import silu_mul_as_reference
 from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight
 from dsquant.runtime.kernels.moe.moe_int4_loop import _int4_tile
 from dsquant.runtime.kernels.gemm.splitk import reduce_splits, split_range, splitk_buffers
-from dsquant.runtime.kernels.gemm.w4a16_gemv import mask_or_f32
+from dsquant.runtime.kernels.gemm.w4a16_gemv import plane_f32
 from dsquant.runtime.kernels.gemm.w4a16_mma import paired_default
 
 MOE_GEMV_MAX_PAIRS = 16  # fused_moe takes the GEMV for at most this many (token, expert) pairs
@@ -141,20 +141,6 @@ def pair_epilogue(y, y_up, out_ptr, part_ptr, counters_ptr, topk_w_ptr, pair, pi
 
 
 @triton.jit
-def _plane_f32(packed, high, J: tl.constexpr, ASM: tl.constexpr):
-    """Nibble plane J of int32 words -> fp32 128 + q (same shape); high = packed >> 16, so planes 5..7
-    take a left shift (which ptxas may issue as an IMAD on the FMA pipe) like planes 0..3, and
-    plane 4 none."""
-    if J == 4:
-        bits = packed
-    elif J < 4:
-        bits = packed << (16 - 4 * J)
-    else:
-        bits = high << (32 - 4 * J)
-    return mask_or_f32(bits, ASM)
-
-
-@triton.jit
 def _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1,
               GROUP: tl.constexpr, ASM: tl.constexpr = False):
     """acc [BN, 16] += scaled partial sums of one 128-channel tile (packed [BN, 16] words)."""
@@ -166,7 +152,7 @@ def _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride
         a_sum = tl.zeros([16], dtype=tl.float32)
         for jj in tl.static_range(PLANES):
             a_j = tl.load(a_ptr + a_off + k0 + 16 * (gi * PLANES + jj) + i).to(tl.float32)  # [16]
-            part += _plane_f32(packed, high, gi * PLANES + jj, ASM) * a_j[None, :]
+            part += plane_f32(packed, high, gi * PLANES + jj, ASM) * a_j[None, :]
             a_sum += a_j
         g = (k0 + 16 * gi * PLANES) // GROUP
         s = tl.load(s_ptr + s_off + g * stride_s1, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
