@@ -38,8 +38,8 @@ SHAPES = [(2048, 3648), (2048, 2048), (512, 4096), (2048, 21888), (10944, 2048),
 def _w8a8_ref(x, wq, ws):
     """float32 W8A8 product: x quantized per 128-block as the kernels do, weights dequantized."""
     xq, xs = per_token_group_quant_fp8(x, 128)
-    xd = (xq.float().view(x.shape[0], -1, 128) * xs.view(x.shape[0], -1, 1)).view(x.shape[0], -1)[:, :x.shape[1]]
     n, k = wq.shape
+    xd = xq.float() * xs.repeat_interleave(128, 1)[:, :k]  # [M, K]
     wd = wq.float() * ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
     return xd @ wd.t()
 

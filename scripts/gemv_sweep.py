@@ -11,9 +11,10 @@ W4A16 weights are in the kernel layout's k-sliced code order (what the loader bu
 the same codes (kind "w4a16plain_gemv"), --v2lite adds V2-Lite's attention / dense-MLP shapes
 (2048 x 3648 fused q + kv_a, 2048 x 2048 o_proj, 512 x 4096 kv_b, 2048 x 21888 dense gate_up), and
 --m 1,2 picks the token counts, --kblock adds the K-block GEMV's candidates (w4a16_gemv_kblock.py) and
---no-gemv drops the one-chunk GEMV's.
+--no-gemv drops the one-chunk GEMV's; --cold MB times every W4A16 form over enough copies of the
+weights (bf16 size) to fill MB megabytes, cycled in one graph, so the weights come from HBM, not L2.
 Usage: python scripts/gemv_sweep.py OUT.json [--quick] [--fp8] [--no-w4a16] [--plain] [--v2lite] [--m 1,2]
-       [--kblock] [--no-gemv]
+       [--kblock] [--no-gemv] [--cold 256]
 """
 from __future__ import annotations
 
@@ -47,8 +48,17 @@ def plain_copy(w: W4A16Weights) -> W4A16Weights:
                         splitk_counters=torch.zeros_like(w.splitk_counters), sliced=False)
 
 
+_CALLS = [1]  # calls one timed fn makes (--cold cycles weight copies inside the fn)
+
+
 def time_graph(fn, rep_ms=10) -> float:
-    return tt.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+    return tt.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3 / _CALLS[0]
+
+
+def _int4_clone(w: W4A16Weights) -> W4A16Weights:
+    return W4A16Weights(qweight=w.qweight.clone(), scales=w.scales.clone(), zeros=w.zeros.clone(),
+                        group_size=w.group_size, perm=w.perm, splitk_counters=torch.zeros_like(w.splitk_counters),
+                        sliced=w.sliced)
 
 
 def candidates(m: int, quick: bool):
@@ -121,7 +131,7 @@ def sweep_fp8(rows, best, t0) -> None:
 
 
 def main(out_path: str, quick: bool, fp8: bool, w4a16: bool, plain: bool = False,
-         shapes=SHAPES, m_values=M_VALUES, kblock: bool = False, gemv: bool = True) -> None:
+         shapes=SHAPES, m_values=M_VALUES, kblock: bool = False, gemv: bool = True, cold_mb: float = 0.0) -> None:
     rows, best = [], {}
     t0 = time.time()
     if fp8:
@@ -136,34 +146,44 @@ def main(out_path: str, quick: bool, fp8: bool, w4a16: bool, plain: bool = False
         wb = w.to(torch.bfloat16)
         tg = _tinygemm_pack(q, s.float(), z, 128)
         int4_plain = plain_copy(int4) if plain else None
+        copies = max(1, int(cold_mb * 2**20 // wb.numel() // 2)) if cold_mb else 1  # bf16 bytes > the L2
+        i4s = [int4] + [_int4_clone(int4) for _ in range(copies - 1)]
+        wbs = [wb] + [wb.clone() for _ in range(copies - 1)]
+        tgs = [tg] + [tuple(t.clone() for t in tg) for _ in range(copies - 1)]
+        i4p = [int4_plain] + [plain_copy(w_) for w_ in i4s[1:]] if plain else None
+        _CALLS[0] = copies
         for m in m_values:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ dense.t()
-            peers = {"bf16": lambda: torch.matmul(x, wb.t()),
-                     "tinygemm": lambda: torch.ops.aten._weight_int4pack_mm(x, tg[0], 128, tg[1]),
-                     "w4a16_tiled": lambda: w4a16_linear(x, int4, GemmConfig(16, 64, 8, 4, 4)),
-                     "w4a16_default": lambda: w4a16_linear(x, int4)}
+
+            def on_all(f, ws):  # f on every copy; the first copy's output
+                return [f(w_) for w_ in ws][0]
+            peers = {"bf16": lambda: on_all(lambda w_: torch.matmul(x, w_.t()), wbs),
+                     "tinygemm": lambda: on_all(lambda t_: torch.ops.aten._weight_int4pack_mm(x, t_[0], 128, t_[1]), tgs),
+                     "w4a16_tiled": lambda: on_all(lambda w_: w4a16_linear(x, w_, GemmConfig(16, 64, 8, 4, 4)), i4s),
+                     "w4a16_default": lambda: on_all(lambda w_: w4a16_linear(x, w_), i4s)}
             dflt = w4a16_config(m, n, k, 128, x.device, sliced=True)
             if dflt.path == "gemv":  # the default GEMV with the nibble's AND and OR as two LOP3s
                 out2 = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                peers["w4a16_gemv_two_lop3"] = lambda: w4a16_gemv(x, int4, out2, dflt.block_n, dflt.split_k,
-                                                                  dflt.num_warps, asm=False)
+                peers["w4a16_gemv_two_lop3"] = lambda: on_all(lambda w_: w4a16_gemv(
+                    x, w_, out2, dflt.block_n, dflt.split_k, dflt.num_warps, asm=False), i4s)
             time_peers(peers, rows, k, n, m)
             print(f"  default config: {w4a16_config(m, n, k, 128, x.device)}")
-            time_candidates("w4a16_gemv", candidates(m, quick) if gemv else [], lambda cfg: w4a16_linear(x, int4, cfg),
-                            ref, 2e-2, rows, best, k, n, m)
+            time_candidates("w4a16_gemv", candidates(m, quick) if gemv else [],
+                            lambda cfg: on_all(lambda w_: w4a16_linear(x, w_, cfg), i4s), ref, 2e-2, rows, best, k, n, m)
             print(f"  best gemv {best.get(f'w4a16 {n} {k} {m}')}  [{time.time() - t0:.0f} s]", flush=True)
             if kblock and m <= 2:
-                time_candidates("w4a16kblock_gemv", kblock_candidates(m, k), lambda cfg: w4a16_linear(x, int4, cfg),
-                                ref, 2e-2, rows, best, k, n, m)
+                time_candidates("w4a16kblock_gemv", kblock_candidates(m, k),
+                                lambda cfg: on_all(lambda w_: w4a16_linear(x, w_, cfg), i4s), ref, 2e-2, rows, best, k, n, m)
                 print(f"  best kblock gemv {best.get(f'w4a16kblock {n} {k} {m}')}", flush=True)
             if plain:
                 time_candidates("w4a16plain_gemv", candidates(m, quick),
-                                lambda cfg: w4a16_linear(x, int4_plain, cfg), ref, 2e-2, rows, best, k, n, m)
+                                lambda cfg: on_all(lambda w_: w4a16_linear(x, w_, cfg), i4p), ref, 2e-2, rows, best, k, n, m)
                 print(f"  best plain gemv {best.get(f'w4a16plain {n} {k} {m}')}", flush=True)
             with open(out_path, "w") as f:  # after every M, so a cut-short sweep still counts
                 json.dump({"rows": rows, "best": best}, f, indent=1)
-        del w, int4, int4_plain, dense, wb, tg
+        del w, int4, int4_plain, dense, wb, tg, i4s, wbs, tgs, i4p
+        _CALLS[0] = 1
         torch.cuda.empty_cache()
 
 
@@ -172,4 +192,4 @@ if __name__ == "__main__":
     ms = [int(v) for v in argv[argv.index("--m") + 1].split(",")] if "--m" in argv else M_VALUES
     main(argv[1] if len(argv) > 1 else "gemv_sweep.json", "--quick" in argv, "--fp8" in argv,
          "--no-w4a16" not in argv, "--plain" in argv, SHAPES + (V2LITE_SHAPES if "--v2lite" in argv else []), ms,
-         "--kblock" in argv, "--no-gemv" not in argv)
+         "--kblock" in argv, "--no-gemv" not in argv, float(argv[argv.index("--cold") + 1]) if "--cold" in argv else 0.0)
