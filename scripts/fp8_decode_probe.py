@@ -10,6 +10,7 @@ Per shape and M, graph-replay medians per call (us) of:
   quant           per_token_group_quant_fp8 alone (x -> e4m3 + scales, one launch)
   gemv_prequant   quant, then the GEMV on the quantized x (A_MODE 0): two launches
   cublas          torch._scaled_mm blockwise, with its activation quantization
+  kblock_*        fp8_gemv_kblock.py (block_n, k_blocks, split) on the quantized x, and with the quant launch
 each output checked against the W8A8 torch product (rel. err), and the bytes each call reads.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dsquant.runtime.kernels.gemm.fp8_gemv import fp8_gemv
 from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8
 from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, fp8_config, fp8_gemv_config
 
+KBLOCK_CONFIGS = [(16, 4, 1), (16, 4, 2), (16, 8, 1), (32, 2, 2), (32, 4, 1), (16, 2, 4)]  # (block_n, k_blocks, split)
 SHAPES = [(2048, 3648), (2048, 2048), (512, 4096), (2048, 21888), (10944, 2048),
           (7168, 18432), (7168, 4096), (2048, 10944), (2048, 2816)]  # (K, N)
 
@@ -81,6 +83,14 @@ def main() -> None:
                 "cublas": (lambda c: fp8_block_linear(x, c, ws, out=out, config=GemmConfig(m, 128, 1, 4, 1, path="cublas")),
                            wqs),
             }
+            if k % 128 == 0:  # the K-block GEMV (fp8_gemv_kblock.py) on x quantized once, a few configs
+                for bn, kb, split in KBLOCK_CONFIGS:
+                    cfg = GemmConfig(m, bn, split, 4, 1, path="gemv_kblock", k_chunks=kb)
+                    forms[f"kblock_{bn}_{kb}_{split}_on_quantized"] = (
+                        lambda c, cfg=cfg: fp8_block_linear(xq, c, ws, x_scale=xs, config=cfg, out=out,
+                                                            splitk_counters=counters), wqs)
+                    forms[f"kblock_{bn}_{kb}_{split}_prequant"] = (
+                        lambda c, cfg=cfg: fp8_block_linear(x, c, ws, config=cfg, out=out, splitk_counters=counters), wqs)
             r = dict(k=k, n=n, m=m, copies=copies, fp8_bytes=wq.numel() + ws.numel() * 4,
                      default_path=fp8_config(m, n, k, x.device).path)
             for name, (fn, ws_list) in forms.items():

@@ -34,11 +34,41 @@ def test_fp8_gemv_prequantized_matches_reference(device, m, n, k, block_n, split
     x = torch.randn(m, k, dtype=torch.float16, device=device)
     xq, xs = per_token_group_quant_fp8_reference(x)  # [M, K] e4m3, [M, ceil(K/128)]
     counters = torch.zeros(32, dtype=torch.int32, device=device)
-    y = fp8_block_linear(xq, wq, ws, x_scale=xs, out_dtype=torch.float16,
+    y = fp8_block_linear(xq, wq, ws, x_scale=xs, out_dtype=torch.float16, weight_only=False,
                          config=_gemv_cfg(m, block_n, split), splitk_counters=counters,
                          out=poisoned(m, n, torch.float16, device))
     check_fp8_product(y, dequant_act(xq, xs, k), w_dense, 2e-3)
     assert int(counters.abs().sum()) == 0, "split-K counters must be left zero"
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n", [200, 256])
+@pytest.mark.parametrize("block_n,k_blocks,split", [(64, 1, 1), (32, 2, 2), (16, 4, 1), (128, 2, 1)])
+def test_fp8_gemv_kblock_matches_reference(device, m, n, block_n, k_blocks, split):
+    """The K-block FP8 GEMV on x quantized once: K = 384 (3 blocks; 2- and 4-block steps end masked),
+    N = 200 (a partial row block), uneven split-K; the W8A8 product, poisoned output, counters zero."""
+    k = 384
+    wq, ws, w_dense = fp8_weights(n, k, device, seed=7 * m + block_n)
+    x = torch.randn(m, k, dtype=torch.float16, device=device)
+    xq, xs = per_token_group_quant_fp8_reference(x)
+    counters = torch.zeros(32, dtype=torch.int32, device=device)
+    cfg = GemmConfig(m, block_n, split, 4, 1, path="gemv_kblock", k_chunks=k_blocks)
+    y = fp8_block_linear(xq, wq, ws, x_scale=xs, out_dtype=torch.float16, weight_only=False, config=cfg,
+                         splitk_counters=counters, out=poisoned(m, n, torch.float16, device))
+    check_fp8_product(y, dequant_act(xq, xs, k), w_dense, 2e-3)
+    assert int(counters.abs().sum()) == 0, "split-K counters must be left zero"
+
+
+def test_fp8_gemv_kblock_names_bad_inputs():
+    from dsquant.runtime.kernels.gemm.fp8_gemv_kblock import fp8_gemv_kblock
+
+    wq, ws, _ = fp8_weights(128, 256, "cpu", seed=1)
+    xq, xs = per_token_group_quant_fp8_reference(torch.randn(3, 256))
+    out = torch.empty(3, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="1 or 2 rows"):
+        fp8_gemv_kblock(xq, xs, wq, ws, out, 32, 2, 1, 4)
+    with pytest.raises(ValueError, match="block_n"):
+        fp8_gemv_kblock(xq[:1], xs[:1], wq, ws, out[:1], 256, 2, 1, 4)
 
 
 def test_fp8_gemv_is_the_default_path_for_small_m(device):

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from dsquant.runtime.kernels.gemm.fp8_gemv import fp8_gemv
+from dsquant.runtime.kernels.gemm.fp8_gemv_kblock import fp8_gemv_kblock
 from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8, quant_group_fp8
 from dsquant.runtime.kernels.gemm.gemm_configs import (DECODE_MAX_M, FP8_GEMV_MAX_M, GemmConfig,
                                                   fp8_config, fp8_tiled_config)
@@ -199,7 +200,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     cfg = config or fp8_config(m, n, k, x.device)
     if weight_only is None:  # W8A8 wherever the GPU has FP8 MMA (the checkpoint's dynamic scheme)
         weight_only = not has_fp8_mma(x.device)
-    if weight_only and cfg.path in ("gemv", "cublas"):
+    if weight_only and cfg.path in ("gemv", "gemv_kblock", "cublas"):
         cfg = fp8_tiled_config(m, n, k, x.device)
     if cfg.path == "cublas":
         y = _cublas_block_linear(x2, x_scale, weight, weight_scale_inv, out_dtype)
@@ -209,6 +210,11 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         cfg = fp8_tiled_config(m, n, k, x.device)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if cfg.path == "gemv_kblock":  # W8A8 on x quantized once (fp8_gemv_kblock.py); M <= 2, K % 128 == 0
+        a, a_s = (x2, x_scale) if is_fp8 else per_token_group_quant_fp8(x2, FP8_BLOCK)
+        fp8_gemv_kblock(a, a_s, weight, weight_scale_inv, out, cfg.block_n, cfg.k_chunks, cfg.split_k,
+                        cfg.num_warps, cfg.num_stages, splitk_counters)
+        return out.reshape(*x.shape[:-1], n)
     if cfg.path == "gemv":
         if m > FP8_GEMV_MAX_M:
             raise ValueError(f"fp8_block_linear: config path 'gemv' serves M <= {FP8_GEMV_MAX_M} "

@@ -22,7 +22,7 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     path: str = "fused"  # W4A16: "gemv" | "gemv_kblock" | "fused" | "dequant" (dequantize + cuBLAS); FP8: "fused" | "weight_only"
-    k_chunks: int = 1  # "gemv_kblock": 128-channel chunks a program loads per step
+    k_chunks: int = 1  # "gemv_kblock" (W4A16 and FP8): 128-channel chunks / blocks a program loads per step
 
 
 DECODE_MAX_M = 64
@@ -229,6 +229,8 @@ def fp8_tiled_config(m: int, n: int, k: int, device=None) -> GemmConfig:
 #             shapes cuBLAS takes (N and K multiples of 128); Triton tiled kernel if it refuses
 #   "fused" / "weight_only"  the Triton tiled kernel (fp8_gemm.py); "weight_only" is a tiling
 #             hint of the sweep, never a change of numerics
+#   "gemv_kblock"  fp8_gemv_kblock.py, M <= 2, K % 128 == 0: x quantized once, then k_chunks
+#             128-blocks a step, elementwise accumulation (explicit configs only until it is timed)
 FP8_GEMV_MAX_M = 4  # the FP8 GEMV kernel's limit
 # The decode choice between the FP8 GEMV and cuBLAS (rows padded to 16), from the H200 run of
 # scripts/gemv_sweep.py --fp8 and dsquant bench gemm (2026-11-29, graph replays): the GEMV wins

@@ -1,0 +1,96 @@
+"""FP8 block GEMV (W8A8) on an activation quantized once: y = dequant(xq) @ dequant(W)^T for 1 or 2
+tokens, K_BLOCKS 128-wide K blocks a step, no tensor cores.
+
+Layouts (DeepSeek-V3, as fp8_gemm.py): weight float8_e4m3fn [N, K] contiguous along K, K % 128 == 0;
+weight_scale_inv fp32 [ceil(N/128), K/128]; xq float8_e4m3fn [M, K] with x_scale fp32 [M, K/128]
+(fp8_quant.per_token_group_quant_fp8: the same per-128 quantization as every W8A8 path); y [M, N]
+bf16/fp16 (unit column stride). BLOCK_N divides 128, so one program's rows share each weight
+scale.
+
+Why (H200, scripts/fp8_decode_probe.py, 2026-12-04): fp8_gemv.py reduces every 128-block across
+threads and, quantizing x itself, repeats that quantization's IEEE divisions in every thread that
+shares a column; on V2-Lite's 2048 x 2048 it moved 0.7 TB/s on an already-quantized x. Here a step
+loads a [BLOCK_N, K_BLOCKS * 128] run of each row (K_BLOCKS * 128 contiguous bytes), the activation
+side is one 1D vector, xe[k] = xq[k] * x_scale[k // 128] * w_scale[k // 128], broadcast over the
+rows (no layout conversion), and acc [BLOCK_N, K_BLOCKS * 128] += w * xe stays elementwise until
+one reduction at the end. The products are those of the other W8A8 paths (each weight times its
+dequantized activation, fp32); only the summation order differs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile
+
+
+@triton.jit
+def _x_eff(xq_ptr, xs_ptr, w_s, m, M, cols, stride_xm, stride_xsm):
+    """xe [KB * 128] fp32: token m's dequantized activation times the weight scale of each column."""
+    live = m < M
+    xq = tl.load(xq_ptr + m * stride_xm + cols, mask=live, other=0.0).to(tl.float32)
+    xs = tl.load(xs_ptr + m * stride_xsm + cols // 128, mask=live, other=0.0)
+    return xq * (xs * w_s)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _fp8_gemv_kblock_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counters_ptr,
+                            M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, split_k,
+                            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, K_BLOCKS: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), split_k); BLOCK_M 1 or 2; steps of K_BLOCKS * 128 columns, the last
+    one masked."""
+    STEP: tl.constexpr = K_BLOCKS * 128
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_m = tl.arange(0, BLOCK_M)  # [BM]
+    # rows past N read row N - 1 (never stored): the weight loads need no row mask
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn  # [BN, 1]
+    ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn  # this program's row block of scales
+    offs_s = tl.arange(0, STEP)  # [STEP]
+    s_lo, s_hi = split_range(pid_k, tl.cdiv(K, STEP), split_k)
+    acc0 = tl.zeros([BLOCK_N, STEP], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, STEP], dtype=tl.float32)
+    for st in range(s_lo, s_hi):
+        cols = st * STEP + offs_s  # [STEP]
+        c_mask = cols < K
+        w = tl.load(w_rows + cols[None, :], mask=c_mask[None, :], other=0.0).to(tl.float32)  # [BN, STEP]
+        w_s = tl.load(ws_row + cols // 128, mask=c_mask, other=0.0)  # [STEP]
+        acc0 += w * _x_eff(xq_ptr, xs_ptr, w_s, 0, M, cols, stride_xm, stride_xsm)[None, :]
+        if BLOCK_M == 2:
+            acc1 += w * _x_eff(xq_ptr, xs_ptr, w_s, 1, M, cols, stride_xm, stride_xsm)[None, :]
+    acc = tl.where(offs_m[None, :] == 0, tl.sum(acc0, axis=1)[:, None], 0.0)  # [BN, BM]
+    if BLOCK_M == 2:
+        acc = tl.where(offs_m[None, :] == 1, tl.sum(acc1, axis=1)[:, None], acc)
+    store_tile(acc, out_ptr, part_ptr, counters_ptr, offs_n, offs_m, M, N, stride_om, pid_n, pid_k, split_k)
+
+
+def fp8_gemv_kblock(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                    out: torch.Tensor, block_n: int, k_blocks: int, split_k: int, num_warps: int,
+                    num_stages: int = 1, splitk_counters: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] = dequant(xq) [M, K] @ dequant(weight)^T for M <= 2 (see the module docstring);
+    `splitk_counters` (int32, zero, >= ceil(N / block_n) entries) is left zero."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    if not 1 <= m <= 2:
+        raise ValueError(f"fp8_gemv_kblock: xq must have 1 or 2 rows (tokens), got {m}")
+    if xq.dtype != torch.float8_e4m3fn or tuple(x_scale.shape) != (m, triton.cdiv(k, 128)):
+        raise ValueError(f"fp8_gemv_kblock: xq must be float8_e4m3fn [M, K] with x_scale [{m}, {triton.cdiv(k, 128)}], "
+                         f"got {xq.dtype} {tuple(xq.shape)} and {tuple(x_scale.shape)}")
+    if k % 128 or tuple(weight.shape) != (n, k) or weight.stride(1) != 1:
+        raise ValueError(f"fp8_gemv_kblock: weight must be [N, K] contiguous along K with K % 128 == 0, "
+                         f"got {tuple(weight.shape)} for K = {k}")
+    if block_n < 16 or 128 % block_n or k_blocks < 1 or k_blocks & (k_blocks - 1):
+        raise ValueError(f"fp8_gemv_kblock: block_n must be a power of two in 16..128 and k_blocks a power of "
+                         f"two, got {block_n}, {k_blocks}")
+    if xq.stride(1) != 1 or x_scale.stride(1) != 1 or out.stride(1) != 1 or tuple(out.shape) != (m, n):
+        raise ValueError(f"fp8_gemv_kblock: xq, x_scale and out [{m}, {n}] need unit column strides")
+    tiles = triton.cdiv(n, block_n)
+    split = max(1, min(split_k, triton.cdiv(k, 128 * k_blocks)))
+    part, counters = splitk_buffers(split, m, n, tiles, splitk_counters, xq.device)
+    _fp8_gemv_kblock_kernel[(tiles, split)](
+        xq, x_scale, weight, weight_scale_inv, out, part, counters, m, n, k,
+        xq.stride(0), x_scale.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(0), split,
+        BLOCK_N=block_n, BLOCK_M=m, K_BLOCKS=k_blocks, num_warps=num_warps, num_stages=num_stages)
+    return out
