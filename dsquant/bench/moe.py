@@ -8,7 +8,8 @@ intermediate 1408, bf16 activations, random weights and inputs. For T tokens and
   INT4 with at most moe_gemv.MOE_GEMV_MAX_PAIRS pairs (T <= 2 here) runs the per-pair GEMVs
   instead (no alignment; moe_gemv.py); the "config" column says "gemv" then. FP8's per-pair GEMV
   (moe_gemv_fp8.py) is not dispatched (slower); --sweep int4 / fp8 also times that format's GEMV at every GEMV_SWEEP (block_n, warps)
-  and GEMV_SPLITS split_k, whatever the pair count; each row names its block_n, num_warps,
+  and GEMV_SPLITS split_k, whatever the pair count (FP8 also in its elementwise form on an
+  activation quantized once, kernel "gemv_elementwise_prequant"); each row names its block_n, num_warps,
   split_k asked for and used per projection (split_k_gate_up, split_k_down), "auto" being
   moe_gemv.default_split_k, what fused_moe runs.
 - peer: transformers' experts forward (loop over the experts hit: gather, gate_up linear,
@@ -190,10 +191,22 @@ def _sweep_gemv_rows(fmt, t, layers, routing, time_graph):
     from dsquant.runtime.kernels.moe.moe_gemv import default_split_k, effective_split, moe_gemv_int4
     from dsquant.runtime.kernels.moe.moe_gemv_fp8 import moe_gemv_fp8
 
-    gemv = moe_gemv_int4 if fmt == "int4" else moe_gemv_fp8
+    from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8
+
     pairs = t * (TOP_K + N_SHARED)
     rows = []
-    for (block_n, warps), split in [(c, s) for c in GEMV_SWEEP for s in GEMV_SPLITS]:
+    # FP8 also in moe_gemv_fp8's elementwise form on an activation quantized once (the quant inside the timing)
+    variants = [("gemv", False)] + ([("gemv_elementwise_prequant", True)] if fmt == "fp8" else [])
+    for (block_n, warps), split, (kernel, elt) in [(c, s, v) for c in GEMV_SWEEP for s in GEMV_SPLITS
+                                                    for v in variants]:
+        if fmt == "int4":
+            gemv = moe_gemv_int4
+        elif not elt:
+            gemv = moe_gemv_fp8
+        else:
+            def gemv(a, w, ids8, out, **kw):
+                aq, a_s = per_token_group_quant_fp8(a, 128)
+                return moe_gemv_fp8(aq, w, ids8, out, a_scale=a_s, elementwise=True, **kw)
         times, used = [], []
         for gated in (True, False):
             n_out, k = (I, H) if gated else (H, I)
@@ -214,8 +227,8 @@ def _sweep_gemv_rows(fmt, t, layers, routing, time_graph):
                 times.append(float("nan"))
                 click.echo(f"  gemv sweep {block_n}/{warps}/{split}: {type(exc).__name__}: {str(exc)[:120]}")
         label = split if split else "auto"
-        cfg = f"gemv(block_n={block_n}, num_warps={warps}, split_k={label})"
-        rows.append({"format": fmt, "tokens": t, "config": cfg, "kernel": "gemv", "block_n": block_n,
+        cfg = f"{kernel}(block_n={block_n}, num_warps={warps}, split_k={label})"
+        rows.append({"format": fmt, "tokens": t, "config": cfg, "kernel": kernel, "block_n": block_n,
                      "num_warps": warps, "split_k": label, "split_k_gate_up": used[0], "split_k_down": used[1],
                      "gate_up_us": times[0], "down_us": times[1]})
         click.echo(f"  sweep {fmt} T={t} {cfg}: gate/up {times[0]:.1f} us (split {used[0]}), "

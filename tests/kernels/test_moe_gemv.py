@@ -172,6 +172,10 @@ def test_bench_gemv_sweep_rows_describe_their_config(fmt, device, monkeypatch):
     tw, ids = random_topk(1, 4, 2, device)
     routing = [(torch.randn(1, 256, device=device).half(), tw, ids, with_shared_experts(tw, ids, 4, 1))]
     rows = bench._sweep_gemv_rows(fmt, 1, [layer], routing, lambda fn: fn() or 1.0)
+    if fmt == "fp8":  # each config also in the elementwise form on an activation quantized once
+        assert [r["kernel"] for r in rows] == ["gemv", "gemv_elementwise_prequant"] * 2
+        assert rows[1]["config"].startswith("gemv_elementwise_prequant(")
+        rows = rows[::2]
     assert [r["split_k"] for r in rows] == [2, "auto"]
     assert rows[0]["split_k_gate_up"] == 2 and rows[0]["split_k_down"] == 1  # down K = 128: one tile
     assert all(r["block_n"] == 16 and r["num_warps"] == 2 and r["gate_up_us"] == 1.0 == r["down_us"] for r in rows)

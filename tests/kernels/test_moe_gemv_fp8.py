@@ -19,9 +19,10 @@ from tests.kernels.moe_cases import (check_close, pair_case, pair_reference, poi
                                      v2_lite_decode_case)
 
 
+@pytest.mark.parametrize("elementwise", [False, True])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
-def test_moe_gemv_fp8_matches_dense(gated, split_k, device):
+def test_moe_gemv_fp8_matches_dense(gated, split_k, elementwise, device):
     """K = 600: 5 blocks, the last 88 wide (split 2: 3 + 2, split 3: 2 + 2 + 1); gated N = 128
     (w13 256 rows, the up rows in the second scale block), routed N = 200 (a partial scale
     block); 6 pairs."""
@@ -30,7 +31,7 @@ def test_moe_gemv_fp8_matches_dense(gated, split_k, device):
     aq, a_s = quantize_act_fp8_torch(a)  # [rows, K] e4m3, [rows, 5]
     out = poisoned(t * top_k, n, torch.float16, device)
     moe_gemv_fp8(aq, g, ids, out, a_row_div=div, gated=gated, topk_weights=None if gated else tw,
-                 a_scale=a_s, block_n=16, split_k=split_k)
+                 a_scale=a_s, block_n=16, split_k=split_k, elementwise=elementwise)
     check_close(out, pair_reference(fp8_act_roundtrip(a), dense, ids, div, gated, tw), 4e-3)
     assert int(g.splitk_counters.abs().sum()) == 0, "split-K counters must be left zero"
 
@@ -59,4 +60,6 @@ def test_moe_gemv_fp8_v2_lite_bf16(split_k):
         aq, a_s = quantize_act_fp8(a)
         pre = moe_gemv_fp8(aq, w, ids, poisoned(8, n, torch.bfloat16, "cuda"), a_scale=a_s, **kw)
         check_close(out, pre.double(), 2e-3, what="in-kernel vs pre-quantized")
+        elt = moe_gemv_fp8(aq, w, ids, poisoned(8, n, torch.bfloat16, "cuda"), a_scale=a_s, elementwise=True, **kw)
+        check_close(elt, pre.double(), 2e-3, what="elementwise vs per-block sums")
         check_close(out, pair_reference(fp8_act_roundtrip(a), dense, ids, div, gated, tw), 1e-2)

@@ -59,9 +59,12 @@ def _moe_gemv_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counte
                          ids_ptr, N, K, a_row_div, stride_am, stride_asm, stride_we, stride_wn,
                          stride_se, stride_s1, stride_s2, stride_om, split_k, A_MODE: tl.constexpr,
                          GATED: tl.constexpr, ROUTED: tl.constexpr, EVEN_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, ELEMENTWISE: tl.constexpr = False):
     """Grid (P, cdiv(N, BLOCK_N), split_k); layouts in the module docstring, part fp32
-    [split_k, P, 2 or 1, N] (moe_gemv.pair_epilogue); A_MODE 0: a e4m3 + a_scale, 1: a bf16/fp16."""
+    [split_k, P, 2 or 1, N] (moe_gemv.pair_epilogue); A_MODE 0: a e4m3 + a_scale, 1: a bf16/fp16.
+    ELEMENTWISE (128 % BLOCK_N == 0, so a program's rows share each weight scale): the activation
+    block times x_scale * w_scale as one [128] vector, acc [BN, 128] += w * xe elementwise and one
+    reduction at the end, instead of a cross-thread sum per block (fp8_gemv_kblock.py's form)."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -78,6 +81,10 @@ def _moe_gemv_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counte
     kb_lo, kb_hi = split_range(pid_k, tl.cdiv(K, 128), split_k)
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
     y_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, 128], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, 128], dtype=tl.float32)
+    ws_blk = ws_ptr + expert * stride_se + (pid_n * BLOCK_N // 128) * stride_s1  # ELEMENTWISE: + kb * stride_s2
+    us_blk = ws_ptr + expert * stride_se + ((pid_n * BLOCK_N + N) // 128) * stride_s1
     m0 = n_mask & (kb_lo < kb_hi)
     m1 = n_mask & (kb_lo + 1 < kb_hi)
     w0 = _w_block(w_rows, m0, kb_lo, K, EVEN_K)  # [BN, 128] e4m3
@@ -89,16 +96,25 @@ def _moe_gemv_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counte
         ahead = n_mask & (kb + 2 < kb_hi)
         w2 = _w_block(w_rows, ahead, kb + 2, K, EVEN_K)
         xq, x_s = _act_block(a_ptr, a_off, as_ptr, as_off, kb, K, A_MODE)  # [128], scalar
-        w_s = tl.load(ws_rows + kb * stride_s2, mask=n_mask, other=0.0)  # [BN]
-        y += tl.sum(w0.to(tl.float32) * xq[None, :], axis=1) * (w_s * x_s)
+        if ELEMENTWISE:
+            acc += w0.to(tl.float32) * (xq * (x_s * tl.load(ws_blk + kb * stride_s2)))[None, :]
+        else:
+            w_s = tl.load(ws_rows + kb * stride_s2, mask=n_mask, other=0.0)  # [BN]
+            y += tl.sum(w0.to(tl.float32) * xq[None, :], axis=1) * (w_s * x_s)
         w0 = w1
         w1 = w2
         if GATED:
             u2 = _w_block(u_rows, ahead, kb + 2, K, EVEN_K)
-            u_s = tl.load(us_rows + kb * stride_s2, mask=n_mask, other=0.0)  # [BN]
-            y_up += tl.sum(u0.to(tl.float32) * xq[None, :], axis=1) * (u_s * x_s)
+            if ELEMENTWISE:
+                acc_up += u0.to(tl.float32) * (xq * (x_s * tl.load(us_blk + kb * stride_s2)))[None, :]
+            else:
+                u_s = tl.load(us_rows + kb * stride_s2, mask=n_mask, other=0.0)  # [BN]
+                y_up += tl.sum(u0.to(tl.float32) * xq[None, :], axis=1) * (u_s * x_s)
             u0 = u1
             u1 = u2
+    if ELEMENTWISE:
+        y = tl.sum(acc, axis=1)
+        y_up = tl.sum(acc_up, axis=1)
     if not GATED:
         y_up = y
     pair_epilogue(y, y_up, out_ptr, part_ptr, counters_ptr, topk_w_ptr, pair, pid_n, pid_k, split_k,
@@ -108,10 +124,11 @@ def _moe_gemv_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counte
 def moe_gemv_fp8(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor, out: torch.Tensor,
                  a_row_div: int, gated: bool, topk_weights: torch.Tensor | None = None,
                  a_scale: torch.Tensor | None = None, block_n: int = 16, num_warps: int = 2,
-                 split_k: int | None = None) -> torch.Tensor:
+                 split_k: int | None = None, elementwise: bool = False) -> torch.Tensor:
     """out [P, N or N/2 when gated] for the P = topk_ids.numel() pairs (see module docstring).
     a bf16/fp16 (quantized in the kernel; GPU only) or float8_e4m3fn with a_scale; split_k None:
-    moe_gemv.default_split_k; counters come from (and stay zero in) w.splitk_counters."""
+    moe_gemv.default_split_k; counters come from (and stay zero in) w.splitk_counters.
+    elementwise: the kernel's ELEMENTWISE form (block_n must divide 128; not yet timed)."""
     pairs, n_out = check_pair_gemv("moe_gemv_fp8", a, w, topk_ids, out, a_row_div, gated, "fp8")
     is_fp8 = a.dtype == torch.float8_e4m3fn
     if is_fp8 and (a_scale is None or tuple(a_scale.shape) != (a.shape[0], triton.cdiv(w.k, 128))
@@ -122,6 +139,8 @@ def moe_gemv_fp8(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor, out:
         raise ValueError(f"moe_gemv_fp8: a must be bf16/fp16 or float8_e4m3fn, got {a.dtype}")
     if gated and n_out % 128:
         raise ValueError(f"moe_gemv_fp8: gated w13 needs N = intermediate % 128 == 0, got {n_out}")
+    if elementwise and 128 % block_n:
+        raise ValueError(f"moe_gemv_fp8: the elementwise form needs block_n dividing 128, got {block_n}")
     if pairs == 0:
         return out
     ids = topk_ids.reshape(-1)
@@ -133,5 +152,5 @@ def moe_gemv_fp8(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor, out:
                                w.weight.stride(1), w.scales.stride(0), w.scales.stride(1),
                                w.scales.stride(2), out.stride(0), split, A_MODE=0 if is_fp8 else 1, GATED=gated,
                                ROUTED=topk_weights is not None, EVEN_K=w.k % 128 == 0,
-                               BLOCK_N=block_n, num_warps=num_warps)
+                               BLOCK_N=block_n, ELEMENTWISE=elementwise, num_warps=num_warps)
     return out
