@@ -29,7 +29,7 @@ from dsquant.bench.moe import E, H, I, N_SHARED, ROOFLINE_GBS, TOP_K, _random_de
 from dsquant.runtime.kernels.moe.int4_dequant import dequantize_int4_grouped
 from dsquant.runtime.kernels.moe.moe_gemv import default_split_k, effective_split, moe_gemv_int4
 
-CONFIGS = [(16, 1, None), (16, 1, 1), (16, 1, 4), (32, 1, None), (32, 2, None), (64, 4, None)]
+CONFIGS = [(8, 1, 1), (8, 1, None), (16, 1, None), (16, 1, 1), (16, 1, 4), (32, 1, None), (32, 2, None), (64, 4, None)]
 
 
 def projection_bytes(g, experts) -> int:

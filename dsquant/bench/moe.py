@@ -179,7 +179,7 @@ def _sweep_rows(fmt, t, layers, routing, time_graph):
     return rows
 
 
-GEMV_SWEEP = [(16, 1), (16, 2), (32, 1), (32, 2), (64, 4)]  # (block_n, num_warps)
+GEMV_SWEEP = [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (64, 4)]  # (block_n, num_warps)
 GEMV_SPLITS = [1, 2, 4, 8, None]  # split_k; None = moe_gemv.default_split_k ("auto")
 
 

@@ -21,7 +21,7 @@ from tests.kernels.moe_cases import (V3_REDUCED, check_close, draw_experts, hidd
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("block_n,warps", [(16, 2), (256, 4)])
+@pytest.mark.parametrize("block_n,warps", [(8, 1), (16, 2), (256, 4)])
 def test_moe_gemv_projection_matches_dense(group, block_n, warps, device):
     """Routed (down-style) GEMV: out[p] = w_p * a[p] @ W_e^T into a poisoned buffer; N = 208
     (13 x 16) leaves partial 128 and 256 blocks, K = 256 is 2 tiles of 128."""
@@ -63,6 +63,11 @@ def test_moe_gemv_split_k_matches_dense(gated, split_k, device):
     moe_gemv_int4(a, g, ids, out, a_row_div=div, gated=gated, topk_weights=None if gated else tw,
                   block_n=16, split_k=split_k)
     check_close(out, pair_reference(a, dense, ids, div, gated, tw), 4e-3)
+    assert int(g.splitk_counters.abs().sum()) == 0, "split-K counters must be left zero"
+    out8 = poisoned(t * top_k, n, torch.float16, device)  # 8-row programs: half a 16-row weight tile each
+    moe_gemv_int4(a, g, ids, out8, a_row_div=div, gated=gated, topk_weights=None if gated else tw,
+                  block_n=8, num_warps=1, split_k=split_k)
+    check_close(out8, pair_reference(a, dense, ids, div, gated, tw), 4e-3, what="block_n 8")
     assert int(g.splitk_counters.abs().sum()) == 0, "split-K counters must be left zero"
 
 

@@ -61,9 +61,9 @@ def default_split_k(pairs: int, n_out: int, k: int, block_n: int) -> int:
 
 
 def reserve_gemv_counters(w: GroupedWeight, n_out: int, pairs: int = MOE_GEMV_MAX_PAIRS) -> None:
-    """Give w zeroed split-K counters for `pairs` pairs at the smallest block_n (16), at load
+    """Give w zeroed split-K counters for `pairs` pairs at the smallest block_n (8), at load
     time, so no launch (and no CUDA-graph capture) allocates them."""
-    tiles = pairs * triton.cdiv(n_out, 16)
+    tiles = pairs * triton.cdiv(n_out, 8)
     c = w.splitk_counters
     if c is None or c.numel() < tiles or c.device != w.weight.device:
         w.splitk_counters = torch.zeros(tiles, dtype=torch.int32, device=w.weight.device)
@@ -87,8 +87,8 @@ def check_pair_gemv(name: str, a: torch.Tensor, w: GroupedWeight, topk_ids: torc
 def pair_launch(w: GroupedWeight, pairs: int, n_out: int, block_n: int, split_k: int | None,
                 gated: bool, device):
     """(grid, split, part, counters) of a per-pair GEMV launch; split_k None: default_split_k."""
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if block_n < 8 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 8, got {block_n}")
     k_tiles = triton.cdiv(w.k, 128)
     if split_k is None:
         split_k = default_split_k(pairs, n_out, w.k, block_n)
