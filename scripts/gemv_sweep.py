@@ -168,7 +168,7 @@ def main(out_path: str, quick: bool, fp8: bool, w4a16: bool, plain: bool = False
                 peers["w4a16_gemv_two_lop3"] = lambda: on_all(lambda w_: w4a16_gemv(
                     x, w_, out2, dflt.block_n, dflt.split_k, dflt.num_warps, asm=False), i4s)
             time_peers(peers, rows, k, n, m)
-            print(f"  default config: {w4a16_config(m, n, k, 128, x.device)}")
+            print(f"  default config: {dflt}")
             time_candidates("w4a16_gemv", candidates(m, quick) if gemv else [],
                             lambda cfg: on_all(lambda w_: w4a16_linear(x, w_, cfg), i4s), ref, 2e-2, rows, best, k, n, m)
             print(f"  best gemv {best.get(f'w4a16 {n} {k} {m}')}  [{time.time() - t0:.0f} s]", flush=True)
