@@ -39,7 +39,8 @@ def test_cublas_scale_layout_pads_rows_to_four_blocks(nb, kb):
 
 
 @pytest.mark.parametrize("m,cfg", [(3, GemmConfig(16, 64, 2, 4, 2)), (40, GemmConfig(64, 64, 1, 4, 2)),
-                                   (2, GemmConfig(2, 32, 2, 4, 1, path="gemv"))])
+                                   (2, GemmConfig(2, 32, 2, 4, 1, path="gemv")),
+                                   (2, GemmConfig(2, 16, 2, 4, 1, path="gemv_kblock", k_chunks=2))])
 def test_triton_paths_read_a_padded_scale_view(device, m, cfg):
     """The runtime hands the kernels cublas_scale_layout's strided view: tiles and GEMV give the
     same W8A8 product as with the contiguous scales."""
@@ -50,6 +51,7 @@ def test_triton_paths_read_a_padded_scale_view(device, m, cfg):
     x = torch.randn(m, k, dtype=torch.float16, device=device)
     xq, xs = per_token_group_quant_fp8_reference(x)
     y = fp8_block_linear(xq, wq, padded, x_scale=xs, out_dtype=torch.float16, config=cfg,
+                         weight_only=False,  # else a device without FP8 MMA swaps the GEMV for the tiles
                          out=poisoned(m, n, torch.float16, device))
     check_fp8_product(y, dequant_act(xq, xs, k), w_dense, 2e-3)
 
