@@ -197,16 +197,13 @@ def _sweep_gemv_rows(fmt, t, layers, routing, time_graph):
     rows = []
     # FP8 also in moe_gemv_fp8's elementwise form on an activation quantized once (the quant inside the timing)
     variants = [("gemv", False)] + ([("gemv_elementwise_prequant", True)] if fmt == "fp8" else [])
+    def fp8_elementwise_prequant(a, w, ids8, out, **kw):
+        aq, a_s = per_token_group_quant_fp8(a, 128)
+        return moe_gemv_fp8(aq, w, ids8, out, a_scale=a_s, elementwise=True, **kw)
+
     for (block_n, warps), split, (kernel, elt) in [(c, s, v) for c in GEMV_SWEEP for s in GEMV_SPLITS
                                                     for v in variants]:
-        if fmt == "int4":
-            gemv = moe_gemv_int4
-        elif not elt:
-            gemv = moe_gemv_fp8
-        else:
-            def gemv(a, w, ids8, out, **kw):
-                aq, a_s = per_token_group_quant_fp8(a, 128)
-                return moe_gemv_fp8(aq, w, ids8, out, a_scale=a_s, elementwise=True, **kw)
+        gemv = moe_gemv_int4 if fmt == "int4" else fp8_elementwise_prequant if elt else moe_gemv_fp8
         times, used = [], []
         for gated in (True, False):
             n_out, k = (I, H) if gated else (H, I)

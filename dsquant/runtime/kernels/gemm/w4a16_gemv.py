@@ -19,12 +19,11 @@ in-thread joins as above, and x is gathered in the order the unpacked columns co
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels.gemm.w4a16_mma import paired_default
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile
 
 
@@ -180,6 +179,6 @@ def w4a16_gemv(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, split_k: in
         m, n, steps, x2.stride(0), w.qweight.stride(0), w.scales.stride(0),
         w.zeros.stride(0), out.stride(0), split,
         GROUP=w.group_size, BLOCK_N=block_n, BLOCK_M=triton.next_power_of_2(m),
-        HAS_PERM=w.perm is not None, ASM=os.environ.get("TRITON_INTERPRET", "0") != "1" if asm is None else asm,
+        HAS_PERM=w.perm is not None, ASM=paired_default() if asm is None else asm,
         num_warps=num_warps, num_stages=num_stages)
     return out

@@ -21,12 +21,11 @@ elementwise, so the only cross-thread reduction is the final sum of acc3 over it
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels.gemm.w4a16_mma import paired_default
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile
 from dsquant.runtime.kernels.gemm.w4a16_gemv import plane_f32
 
@@ -113,6 +112,6 @@ def w4a16_gemv_kblock(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, k_ch
         x2, w.qweight, w.scales, w.zeros, perm, out, part, counters,
         m, n, chunks, x2.stride(0), w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0), out.stride(0),
         split, GROUP=w.group_size, BLOCK_N=block_n, BLOCK_M=m, K_CHUNKS=k_chunks,
-        HAS_PERM=w.perm is not None, ASM=os.environ.get("TRITON_INTERPRET", "0") != "1" if asm is None else asm,
+        HAS_PERM=w.perm is not None, ASM=paired_default() if asm is None else asm,
         num_warps=num_warps, num_stages=num_stages)
     return out

@@ -214,7 +214,8 @@ def _w4a16_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, 
 
 
 def paired_default() -> bool:
-    """The two-codes-per-instruction dequantization needs a real GPU (inline PTX)."""
+    """Whether to emit inline PTX (the paired dequantization here, the one-lop3 nibble conversion of
+    the GEMVs): on a real GPU, not under TRITON_INTERPRET."""
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
