@@ -178,3 +178,31 @@ def test_factory_refuses_unknown_schemes():
               {"quant_method": "fp8", "activation_scheme": "static"}):
         with pytest.raises(ConfigError):
             LinearFactory(q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", [FP8BlockMethod, lambda: CTFloat8Method(strategy="block", dynamic_activations=True)])
+def test_fp8_layer_keeps_one_zero_counter_buffer_gpu(method):
+    """The FP8 layer owns its split-K counters (no torch.zeros, i.e. no memset node, per call):
+    every decode / split-K launch leaves them zero and the product equals the W8A8 reference."""
+    n, k = 2048, 1536  # K / 128 = 12 blocks; decode takes the GEMV, split-K on some configs
+    w = torch.randn(n, k) * torch.logspace(-2, 1, n).unsqueeze(1)  # row scales over 3 decades
+    fp8, scale_inv = quantize_fp8_block(w)
+    layer = QuantLinear(method(), "m", k, n, False)
+    names = ("weight", "weight_scale_inv") if isinstance(layer.method, FP8BlockMethod) else \
+        ("weight", "weight_scale")
+    for name, t in zip(names, (fp8, scale_inv)):
+        layer._parameters[name] = torch.nn.Parameter(t.cuda(), requires_grad=False)
+    layer.compute_dtype = torch.bfloat16
+    layer.method.process_weights_after_loading(layer)
+    counters = layer.splitk_counters
+    per_elem = scale_inv.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    for m in (1, 2, 4, 16, 64):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        xq, xs = quantize_fp8_activations(x.float().cpu())
+        ref = (xq.float() * xs.repeat_interleave(128, 1)[:, :k]) @ (fp8.float() * per_elem).t()
+        y = layer(x)
+        torch.cuda.synchronize()
+        assert layer.splitk_counters is counters and int(counters.abs().sum()) == 0, m
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))

@@ -92,7 +92,11 @@ class CTFloat8Method(LinearMethod):
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.weight):
             return super().process_weights_after_loading(layer)
+        from dsquant.runtime.kernels.gemm.w4a16_repack import SPLITK_COUNTER_SLOTS
+
         n, k = layer.weight.shape
+        # split-K counters, zero; every launch leaves them zero (no memset node per graph replay)
+        layer.splitk_counters = torch.zeros(SPLITK_COUNTER_SLOTS, dtype=torch.int32, device=layer.weight.device)
         if self.strategy == "block":
             from dsquant.runtime.kernels.gemm.fp8_gemm import cublas_scale_layout
 
@@ -109,7 +113,8 @@ class CTFloat8Method(LinearMethod):
         from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 
         y = fp8_block_linear(x, layer.weight, layer.scale_inv,
-                             weight_only=None if self.dynamic_activations else True)
+                             weight_only=None if self.dynamic_activations else True,
+                             splitk_counters=layer.splitk_counters)
         if layer.out_scale is not None:
             y = (y.float() * layer.out_scale).to(x.dtype)
         return y if layer.bias is None else y + layer.bias

@@ -184,8 +184,13 @@ class FP8BlockMethod(LinearMethod):
             return super().process_weights_after_loading(layer)
         from dsquant.runtime.kernels.gemm.fp8_gemm import cublas_scale_layout
 
+        from dsquant.runtime.kernels.gemm.w4a16_repack import SPLITK_COUNTER_SLOTS
+
         # one layout for every kernel: the Triton ones read the strides, cuBLAS needs the padding
         layer.weight_scale_inv.data = cublas_scale_layout(layer.weight_scale_inv.data.to(torch.float32))
+        # split-K counters, zero; every launch leaves them zero (no memset node per graph replay)
+        layer.splitk_counters = torch.zeros(SPLITK_COUNTER_SLOTS, dtype=torch.int32,
+                                            device=layer.weight.device)
 
     def apply(self, layer, x):
         if not self.use_kernels(x):
@@ -196,5 +201,6 @@ class FP8BlockMethod(LinearMethod):
         from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 
         y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv,
-                             weight_only=None if self.dynamic_activations else True)  # [..., N]
+                             weight_only=None if self.dynamic_activations else True,
+                             splitk_counters=getattr(layer, "splitk_counters", None))  # [..., N]
         return y if layer.bias is None else y + layer.bias

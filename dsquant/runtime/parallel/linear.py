@@ -165,7 +165,8 @@ class RowShardFP8Method(FP8BlockMethod):
             return LinearMethod.apply(self, layer, x)
         from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 
-        y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv, weight_only=True)  # [..., N]
+        y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv, weight_only=True,
+                             splitk_counters=getattr(layer, "splitk_counters", None))  # [..., N]
         return y if layer.bias is None else y + layer.bias
 
 
