@@ -92,11 +92,10 @@ class CTFloat8Method(LinearMethod):
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.weight):
             return super().process_weights_after_loading(layer)
-        from dsquant.runtime.kernels.gemm.w4a16_repack import SPLITK_COUNTER_SLOTS
+        from dsquant.runtime.kernels.gemm.splitk import new_splitk_counters
 
         n, k = layer.weight.shape
-        # split-K counters, zero; every launch leaves them zero (no memset node per graph replay)
-        layer.splitk_counters = torch.zeros(SPLITK_COUNTER_SLOTS, dtype=torch.int32, device=layer.weight.device)
+        layer.splitk_counters = new_splitk_counters(layer.weight.device)
         if self.strategy == "block":
             from dsquant.runtime.kernels.gemm.fp8_gemm import cublas_scale_layout
 

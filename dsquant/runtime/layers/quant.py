@@ -183,14 +183,11 @@ class FP8BlockMethod(LinearMethod):
                 return None
             return super().process_weights_after_loading(layer)
         from dsquant.runtime.kernels.gemm.fp8_gemm import cublas_scale_layout
-
-        from dsquant.runtime.kernels.gemm.w4a16_repack import SPLITK_COUNTER_SLOTS
+        from dsquant.runtime.kernels.gemm.splitk import new_splitk_counters
 
         # one layout for every kernel: the Triton ones read the strides, cuBLAS needs the padding
         layer.weight_scale_inv.data = cublas_scale_layout(layer.weight_scale_inv.data.to(torch.float32))
-        # split-K counters, zero; every launch leaves them zero (no memset node per graph replay)
-        layer.splitk_counters = torch.zeros(SPLITK_COUNTER_SLOTS, dtype=torch.int32,
-                                            device=layer.weight.device)
+        layer.splitk_counters = new_splitk_counters(layer.weight.device)
 
     def apply(self, layer, x):
         if not self.use_kernels(x):

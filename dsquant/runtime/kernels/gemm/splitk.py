@@ -20,6 +20,15 @@ import triton
 import triton.language as tl
 
 
+SPLITK_COUNTER_SLOTS = 8192  # >= (N / 16) * (64 / 16) tiles for N up to 32768
+
+
+def new_splitk_counters(device) -> torch.Tensor:
+    """A layer's own counters for store_tile: int32 [SPLITK_COUNTER_SLOTS], zero (every launch
+    leaves them zero, so a CUDA-graph replay needs no memset node)."""
+    return torch.zeros(SPLITK_COUNTER_SLOTS, dtype=torch.int32, device=device)
+
+
 def splitk_buffers(split: int, m: int, n: int, tiles: int, counters: torch.Tensor | None, device):
     """Host side of store_tile: (part fp32 [split, M, N], or a [1, 1, N] stub when split == 1;
     counters int32 with >= tiles zero slots: the given buffer if it is large enough, else new)."""

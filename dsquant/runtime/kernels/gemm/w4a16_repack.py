@@ -24,6 +24,7 @@ import torch
 
 from dsquant.formats.awq_gemm import unpack_awq
 from dsquant.formats.gptq import pack_gptq_qweight, unpack_gptq_qweight, unpack_gptq_qzeros
+from dsquant.runtime.kernels.gemm.splitk import new_splitk_counters
 
 
 @dataclass
@@ -48,9 +49,6 @@ class W4A16Weights:
         """Bytes the kernel reads per call (codes + scales + zeros + perm)."""
         ts = [self.qweight, self.scales, self.zeros] + ([self.perm] if self.perm is not None else [])
         return sum(t.numel() * t.element_size() for t in ts)
-
-
-SPLITK_COUNTER_SLOTS = 8192  # >= (N / 16) * (64 / 16) tiles for N up to 32768
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -92,7 +90,7 @@ def kernel_weights(q_kn: torch.Tensor, z_gn: torch.Tensor, scales: torch.Tensor,
     k = q_kn.shape[0]
     sliced = uses_sliced_order(k, group_size)
     qweight = slice_codes(q_kn.t()) if sliced else pack_gptq_qweight(q_kn).t().contiguous()
-    counters = torch.zeros(SPLITK_COUNTER_SLOTS, dtype=torch.int32, device=q_kn.device)
+    counters = new_splitk_counters(q_kn.device)
     return W4A16Weights(qweight=qweight, scales=scales.contiguous(), zeros=z_gn.to(torch.uint8).contiguous(),
                         group_size=group_size, perm=perm, splitk_counters=counters, sliced=sliced)
 
