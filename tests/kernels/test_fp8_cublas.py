@@ -79,12 +79,10 @@ def _ref_device(xq, xs, w_dense, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="K-block GEMV (not dispatched) leaves NaN outputs on the H200 at small or uneven K "
-                   "(2048x1408, 2048x2816, 128x256, 256x128, 512x256 in the fifteenth session); open bug",
-                   strict=False)
 @pytest.mark.parametrize("n,k", V2_LITE + V3)
 def test_fp8_kblock_gemv_at_deepseek_shapes_gpu(n, k):
-    """The K-block GEMV (M <= 2) on x quantized once, uneven K split, against the W8A8 product."""
+    """The K-block GEMV (M <= 2) on x quantized once, uneven K split, against the W8A8 product.
+    (Its masked step tails once read x past K, NaN at K = 128, 256, 1408, 2816 on the H200.)"""
     if k % 128:
         pytest.skip("the K-block GEMV takes whole 128-blocks of K")
     wq, ws, w_dense = fp8_weights(n, k, "cuda", seed=n + k)

@@ -46,17 +46,29 @@ def test_fp8_gemv_prequantized_matches_reference(device, m, n, k, block_n, split
 @pytest.mark.parametrize("block_n,k_blocks,split", [(64, 1, 1), (32, 2, 2), (16, 4, 1), (128, 2, 1)])
 def test_fp8_gemv_kblock_matches_reference(device, m, n, block_n, k_blocks, split):
     """The K-block FP8 GEMV on x quantized once: K = 384 (3 blocks; 2- and 4-block steps end masked),
-    N = 200 (a partial row block), uneven split-K; the W8A8 product, poisoned output, counters zero."""
+    N = 200 (a partial row block), uneven split-K; the W8A8 product, poisoned output, counters zero.
+    x and its scales sit in NaN-padded rows: the steps' masked tails must read none of it (the bug
+    that gave NaN on the H200 at K = 128, 256, 1408, 2816)."""
     k = 384
     wq, ws, w_dense = fp8_weights(n, k, device, seed=7 * m + block_n)
     x = torch.randn(m, k, dtype=torch.float16, device=device)
-    xq, xs = per_token_group_quant_fp8_reference(x)
+    xq, xs = nan_padded_rows(*per_token_group_quant_fp8_reference(x))
     counters = torch.zeros(32, dtype=torch.int32, device=device)
     cfg = GemmConfig(m, block_n, split, 4, 1, path="gemv_kblock", k_chunks=k_blocks)
     y = fp8_block_linear(xq, wq, ws, x_scale=xs, out_dtype=torch.float16, weight_only=False, config=cfg,
                          splitk_counters=counters, out=poisoned(m, n, torch.float16, device))
     check_fp8_product(y, dequant_act(xq, xs, k), w_dense, 2e-3)
     assert int(counters.abs().sum()) == 0, "split-K counters must be left zero"
+
+
+def nan_padded_rows(xq: torch.Tensor, xs: torch.Tensor):
+    """xq [M, K] e4m3 and xs [M, K/128] as views of row buffers 512 columns (4 scales) wider,
+    the pad NaN: a kernel that reads past K (a masked step's tail) turns its output NaN."""
+    m, k = xq.shape
+    qbuf = torch.full((m, k + 512), float("nan"), device=xq.device).to(torch.float8_e4m3fn)
+    sbuf = torch.full((m, xs.shape[1] + 4), float("nan"), device=xs.device)
+    qbuf[:, :k], sbuf[:, :xs.shape[1]] = xq, xs
+    return qbuf[:, :k], sbuf[:, :xs.shape[1]]
 
 
 def test_fp8_gemv_kblock_names_bad_inputs():
@@ -86,6 +98,20 @@ def test_fp8_gemv_is_the_default_path_for_small_m(device):
 
 def test_fp8_config_paths_by_token_count():
     assert fp8_config(FP8_CUBLAS_MIN_M, 4096, 7168, "cpu").path != "cublas"  # no sm_90 here
+    assert fp8_config(1, 4096, 7168, "cpu").path == "gemv"  # the K-block GEMV only where measured
+
+
+@pytest.mark.parametrize("n,k,k_blocks,split", [(18432, 7168, 4, 1), (21888, 2048, 4, 1), (4096, 7168, 4, 2),
+                                                (2048, 2048, 8, 1), (4096, 512, 4, 1)])
+def test_fp8_config_sends_one_token_to_the_kblock_gemv_on_sm90(monkeypatch, n, k, k_blocks, split):
+    """On sm_90 one token at whole 128-blocks of K takes the K-block GEMV (at any work size: it beat
+    cuBLAS at 18432 x 7168); a partial K block, or two tokens, keep the per-block GEMV."""
+    import dsquant.runtime.kernels.gemm.gemm_configs as gc
+
+    monkeypatch.setattr(gc, "_gpu_family", lambda device=None: "sm90")
+    cfg = fp8_config(1, n, k)
+    assert (cfg.path, cfg.block_m, cfg.block_n, cfg.k_chunks, cfg.split_k) == ("gemv_kblock", 1, 16, k_blocks, split)
+    assert fp8_config(1, 200, 320).path == "gemv" and fp8_config(2, 2048, 2048).path == "gemv"
     assert {c.path for c in fp8_gemv_candidates(3)} == {"gemv"}
     assert {c.block_m for c in fp8_gemv_candidates(3)} == {4}
 
@@ -139,8 +165,13 @@ def test_fp8_gemv_gpu_in_kernel_quant_bf16(m, k, n):
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     xq, xs = per_token_group_quant_fp8(x)  # the same quant_group_fp8 arithmetic as the GEMV
     a_dense = dequant_act(xq, xs, k)
+    kblock = m == 1 and k % 128 == 0 and torch.cuda.get_device_capability()[0] == 9
     small = m * n * k <= FP8_GEMV_MAX_WORK or (m <= 2 and (n % 16 != 0 or k % 128 != 0))
-    assert (fp8_config(m, n, k, "cuda").path == "gemv") == small  # else cuBLAS or the tiles
+    path = fp8_config(m, n, k, "cuda").path
+    if kblock or small:
+        assert path == ("gemv_kblock" if kblock else "gemv")
+    else:
+        assert path in ("cublas", "fused", "weight_only")  # cuBLAS or the tiles
     counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
     for cfg in (None, _gemv_cfg(m, 64, 1), _gemv_cfg(m, 32, 8), _gemv_cfg(m, 128, 4, warps=8)):
         y = fp8_block_linear(x, wq, ws, config=cfg, splitk_counters=counters,
@@ -152,9 +183,9 @@ def test_fp8_gemv_gpu_in_kernel_quant_bf16(m, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 16, 128, 300, 1024])
+@pytest.mark.parametrize("m", [2, 3, 16, 128, 300, 1024])
 def test_fp8_cublas_path_matches_reference(m):
-    k, n = 7168, 4096 if m >= 128 else 18432  # decode sizes take cuBLAS on the large weight
+    k, n = 7168, 4096 if m >= 128 else 18432  # decode sizes above one token take cuBLAS on the large weight
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("blockwise _scaled_mm runs on sm_90 only")
     wq, ws, w_dense = fp8_weights(n, k, "cuda", seed=m)

@@ -26,9 +26,11 @@ from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, sto
 
 
 @triton.jit
-def _x_eff(xq_ptr, xs_ptr, w_s, m, M, cols, stride_xm, stride_xsm):
-    """xe [KB * 128] fp32: token m's dequantized activation times the weight scale of each column."""
-    live = m < M
+def _x_eff(xq_ptr, xs_ptr, w_s, m, M, cols, c_mask, stride_xm, stride_xsm):
+    """xe [KB * 128] fp32: token m's dequantized activation times the weight scale of each column;
+    0 past K (c_mask false), where the step's tail must read nothing: an fp8 byte or a scale
+    beyond the row may be NaN, and 0 * NaN would poison the sum."""
+    live = c_mask & (m < M)
     xq = tl.load(xq_ptr + m * stride_xm + cols, mask=live, other=0.0).to(tl.float32)
     xs = tl.load(xs_ptr + m * stride_xsm + cols // 128, mask=live, other=0.0)
     return xq * (xs * w_s)
@@ -57,9 +59,9 @@ def _fp8_gemv_kblock_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, co
         c_mask = cols < K
         w = tl.load(w_rows + cols[None, :], mask=c_mask[None, :], other=0.0).to(tl.float32)  # [BN, STEP]
         w_s = tl.load(ws_row + cols // 128, mask=c_mask, other=0.0)  # [STEP]
-        acc0 += w * _x_eff(xq_ptr, xs_ptr, w_s, 0, M, cols, stride_xm, stride_xsm)[None, :]
+        acc0 += w * _x_eff(xq_ptr, xs_ptr, w_s, 0, M, cols, c_mask, stride_xm, stride_xsm)[None, :]
         if BLOCK_M == 2:
-            acc1 += w * _x_eff(xq_ptr, xs_ptr, w_s, 1, M, cols, stride_xm, stride_xsm)[None, :]
+            acc1 += w * _x_eff(xq_ptr, xs_ptr, w_s, 1, M, cols, c_mask, stride_xm, stride_xsm)[None, :]
     acc = tl.where(offs_m[None, :] == 0, tl.sum(acc0, axis=1)[:, None], 0.0)  # [BN, BM]
     if BLOCK_M == 2:
         acc = tl.where(offs_m[None, :] == 1, tl.sum(acc1, axis=1)[:, None], acc)

@@ -230,7 +230,7 @@ def fp8_tiled_config(m: int, n: int, k: int, device=None) -> GemmConfig:
 #   "fused" / "weight_only"  the Triton tiled kernel (fp8_gemm.py); "weight_only" is a tiling
 #             hint of the sweep, never a change of numerics
 #   "gemv_kblock"  fp8_gemv_kblock.py, M <= 2, K % 128 == 0: x quantized once, then k_chunks
-#             128-blocks a step, elementwise accumulation (explicit configs only until it is timed)
+#             128-blocks a step, elementwise accumulation; fp8_config's choice for one token on sm_90
 FP8_GEMV_MAX_M = 4  # the FP8 GEMV kernel's limit
 # The decode choice between the FP8 GEMV and cuBLAS (rows padded to 16), from the H200 run of
 # scripts/gemv_sweep.py --fp8 and dsquant bench gemm (2026-11-29, graph replays): the GEMV wins
@@ -266,8 +266,26 @@ def fp8_cublas_eligible(m: int, n: int, k: int, device=None) -> bool:
             and _gpu_family(device) == "sm90")
 
 
+def fp8_kblock_config(n: int, k: int) -> GemmConfig:
+    """K-block GEMV config for one token (fp8_gemv_kblock.py; x quantized by its own launch):
+    16 channels a program, 4 warps. On the H200 sweep (docs/bench/fp8dec-kblock-*, quant launch
+    included) 4 blocks a step without split-K was best or within 10% of it, except where few
+    programs (N <= 4096) meet a long K: 8 blocks a step at 1024 <= K < 4096 (2048 x 2048: 6.0 against
+    6.6 us) and split-K 2 at K >= 4096 (4096 x 7168: 13.7 against 16.5 us)."""
+    k_blocks, split = 4, 1
+    if n <= 4096 and k >= 4096:
+        split = 2
+    elif n <= 4096 and k >= 1024:
+        k_blocks = 8
+    return GemmConfig(1, 16, split, 4, 1, path="gemv_kblock", k_chunks=k_blocks)
+
+
 def fp8_config(m: int, n: int, k: int, device=None) -> GemmConfig:
-    """The FP8 path and launch config for M tokens: GEMV, cuBLAS blockwise, or the Triton tiles."""
+    """The FP8 path and launch config for M tokens: the K-block GEMV for one token on sm_90 (it beat
+    the GEMV and cuBLAS at every whole-block DeepSeek shape on the H200, 1.26-1.37x at 18432 x 7168
+    and 21888 x 2048), else the GEMV, cuBLAS blockwise, or the Triton tiles."""
+    if m == 1 and k % 128 == 0 and _gpu_family(device) == "sm90":
+        return fp8_kblock_config(n, k)
     cublas = fp8_cublas_eligible(m, n, k, device)
     if m <= FP8_GEMV_MAX_M and (m * n * k <= FP8_GEMV_MAX_WORK or (not cublas and m <= 2)):
         return fp8_gemv_config(m, n, k, device)
