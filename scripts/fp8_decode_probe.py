@@ -10,7 +10,8 @@ Per shape and M, graph-replay medians per call (us) of:
   quant           per_token_group_quant_fp8 alone (x -> e4m3 + scales, one launch)
   gemv_prequant   quant, then the GEMV on the quantized x (A_MODE 0): two launches
   cublas          torch._scaled_mm blockwise, with its activation quantization
-  kblock_*        fp8_gemv_kblock.py (block_n, k_blocks, split) on the quantized x, and with the quant launch
+  kblock_*        fp8_gemv_kblock.py (block_n, k_blocks, split): _on_quantized on the quantized x,
+                  _prequant after the quant launch, _fused quantizing x inside (FUSE_QUANT)
 each output checked against the W8A8 torch product (rel. err), and the bytes each call reads.
 """
 from __future__ import annotations
@@ -90,7 +91,11 @@ def main() -> None:
                         lambda c, cfg=cfg: fp8_block_linear(xq, c, ws, x_scale=xs, config=cfg, out=out,
                                                             splitk_counters=counters), wqs)
                     forms[f"kblock_{bn}_{kb}_{split}_prequant"] = (
-                        lambda c, cfg=cfg: fp8_block_linear(x, c, ws, config=cfg, out=out, splitk_counters=counters), wqs)
+                        lambda c, cfg=cfg: fp8_block_linear(x, c, ws, config=cfg, fuse_quant=False, out=out,
+                                                            splitk_counters=counters), wqs)
+                    forms[f"kblock_{bn}_{kb}_{split}_fused"] = (
+                        lambda c, cfg=cfg: fp8_block_linear(x, c, ws, config=cfg, fuse_quant=True, out=out,
+                                                            splitk_counters=counters), wqs)
             r = dict(k=k, n=n, m=m, copies=copies, fp8_bytes=wq.numel() + ws.numel() * 4,
                      default_path=fp8_config(m, n, k, x.device).path)
             for name, (fn, ws_list) in forms.items():

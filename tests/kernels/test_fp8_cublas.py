@@ -81,7 +81,8 @@ def _ref_device(xq, xs, w_dense, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", V2_LITE + V3)
 def test_fp8_kblock_gemv_at_deepseek_shapes_gpu(n, k):
-    """The K-block GEMV (M <= 2) on x quantized once, uneven K split, against the W8A8 product.
+    """The K-block GEMV (M <= 2) on x quantized in it or once before, uneven K split, against the
+    W8A8 product.
     (Its masked step tails once read x past K, NaN at K = 128, 256, 1408, 2816 on the H200.)"""
     if k % 128:
         pytest.skip("the K-block GEMV takes whole 128-blocks of K")
@@ -93,8 +94,10 @@ def test_fp8_kblock_gemv_at_deepseek_shapes_gpu(n, k):
         a, w32 = _ref_device(xq, xs, w_dense, k)
         for cfg in (GemmConfig(m, 16, 3, 4, 1, path="gemv_kblock", k_chunks=4),
                     GemmConfig(m, 128, 1, 8, 1, path="gemv_kblock", k_chunks=2)):
-            y = fp8_block_linear(x, wq, runtime_scale, config=cfg, out=poisoned(m, n, torch.bfloat16, "cuda"))
-            check_fp8_product(y, a, w32, 1e-2)
+            for fuse in (True, False):  # x quantized inside the GEMV, or by per_token_group_quant_fp8 first
+                y = fp8_block_linear(x, wq, runtime_scale, config=cfg, fuse_quant=fuse,
+                                     out=poisoned(m, n, torch.bfloat16, "cuda"))
+                check_fp8_product(y, a, w32, 1e-2)
 
 
 @pytest.mark.gpu

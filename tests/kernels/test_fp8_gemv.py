@@ -61,6 +61,30 @@ def test_fp8_gemv_kblock_matches_reference(device, m, n, block_n, k_blocks, spli
     assert int(counters.abs().sum()) == 0, "split-K counters must be left zero"
 
 
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("block_n,k_blocks,split", [(32, 2, 2), (16, 4, 1)])
+def test_fp8_gemv_kblock_fused_quant_runs_masked(device, m, block_n, k_blocks, split):
+    """FUSE_QUANT (x_scale None: bf16/fp16 x quantized in the kernel) at K = 384, N = 200, x in
+    NaN-padded rows: every output written, no NaN from past K, the W8A8 product of x as the Triton
+    quantizer (per_token_group_quant_fp8, the same quant_group_fp8) rounds it; on CPU the interpreter
+    mis-rounds in-kernel fp8 casts, but both kernels share that rounding."""
+    from dsquant.runtime.kernels.gemm.fp8_gemv_kblock import fp8_gemv_kblock
+
+    n, k = 200, 384
+    wq, ws, w_dense = fp8_weights(n, k, device, seed=3 * m + block_n)
+    buf = torch.full((m, k + 512), float("nan"), dtype=torch.float16, device=device)
+    buf[:, :k] = torch.randn(m, k, dtype=torch.float16, device=device)
+    x = buf[:, :k]
+    xq, xs = per_token_group_quant_fp8(x)
+    counters = torch.zeros(32, dtype=torch.int32, device=device)
+    y = fp8_gemv_kblock(x, None, wq, ws, poisoned(m, n, torch.float16, device), block_n, k_blocks, split, 4,
+                        splitk_counters=counters)
+    check_fp8_product(y, dequant_act(xq, xs, k), w_dense, 2e-3)
+    assert int(counters.abs().sum()) == 0
+    with pytest.raises(ValueError, match="bf16/fp16 activation"):
+        fp8_gemv_kblock(xq, None, wq, ws, y, block_n, k_blocks, split, 4)
+
+
 def nan_padded_rows(xq: torch.Tensor, xs: torch.Tensor):
     """xq [M, K] e4m3 and xs [M, K/128] as views of row buffers 512 columns (4 scales) wider,
     the pad NaN: a kernel that reads past K (a masked step's tail) turns its output NaN."""
@@ -112,6 +136,14 @@ def test_fp8_config_sends_one_token_to_the_kblock_gemv_on_sm90(monkeypatch, n, k
     cfg = fp8_config(1, n, k)
     assert (cfg.path, cfg.block_m, cfg.block_n, cfg.k_chunks, cfg.split_k) == ("gemv_kblock", 1, 16, k_blocks, split)
     assert fp8_config(1, 200, 320).path == "gemv" and fp8_config(2, 2048, 2048).path == "gemv"
+
+
+def test_kblock_fuses_quant_only_for_one_token_on_small_weights():
+    from dsquant.runtime.kernels.gemm.gemm_configs import kblock_fuses_quant
+
+    assert kblock_fuses_quant(1, 3648, 2048) and kblock_fuses_quant(1, 4096, 512)
+    assert not kblock_fuses_quant(1, 21888, 2048) and not kblock_fuses_quant(1, 4096, 7168)
+    assert not kblock_fuses_quant(2, 2048, 2048)
     assert {c.path for c in fp8_gemv_candidates(3)} == {"gemv"}
     assert {c.block_m for c in fp8_gemv_candidates(3)} == {4}
 

@@ -33,7 +33,7 @@ from dsquant.runtime.kernels.gemm.fp8_gemv import fp8_gemv
 from dsquant.runtime.kernels.gemm.fp8_gemv_kblock import fp8_gemv_kblock
 from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8, quant_group_fp8
 from dsquant.runtime.kernels.gemm.gemm_configs import (DECODE_MAX_M, FP8_GEMV_MAX_M, GemmConfig,
-                                                  fp8_config, fp8_tiled_config)
+                                                  fp8_config, fp8_tiled_config, kblock_fuses_quant)
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
 
 FP8_BLOCK = 128
@@ -172,11 +172,12 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
 
     x is bf16/fp16 (quantized here, per token and 128 channels), or float8_e4m3fn with its
     `x_scale` [M, ceil(K/128)]. The path is the config's (gemm_configs.fp8_config by default):
-    "gemv" (M <= 4, fp8_gemv.py), "cublas" (blockwise torch._scaled_mm, the Triton kernel where
-    cuBLAS refuses) or the Triton tiled kernel ("fused"; "weight_only" is only a tiling hint).
-    `weight_only` (default: the GPU has no FP8 tensor cores) keeps x in 16 bits on the tiled
-    kernel whatever the config's path. `fuse_quant` (default: yes for M <= 64) quantizes x inside
-    the Triton kernels. `splitk_counters` (int32, zero) may be passed to reuse one buffer across
+    "gemv_kblock" (M <= 2, fp8_gemv_kblock.py), "gemv" (M <= 4, fp8_gemv.py), "cublas" (blockwise
+    torch._scaled_mm, the Triton kernel where cuBLAS refuses) or the Triton tiled kernel ("fused";
+    "weight_only" is only a tiling hint). `weight_only` (default: the GPU has no FP8 tensor cores)
+    keeps x in 16 bits on the tiled kernel whatever the config's path. `fuse_quant` quantizes x
+    inside the Triton kernels (default: yes for M <= 64; on "gemv_kblock" where
+    gemm_configs.kblock_fuses_quant says so). `splitk_counters` (int32, zero) may be passed to reuse one buffer across
     calls; it is left zero. `out` [M, N] receives y when given.
     """
     k = x.shape[-1]
@@ -210,8 +211,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         cfg = fp8_tiled_config(m, n, k, x.device)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    if cfg.path == "gemv_kblock":  # W8A8 on x quantized once (fp8_gemv_kblock.py); M <= 2, K % 128 == 0
-        a, a_s = (x2, x_scale) if is_fp8 else per_token_group_quant_fp8(x2, FP8_BLOCK)
+    if cfg.path == "gemv_kblock":  # W8A8, x quantized in the kernel or once before (fp8_gemv_kblock.py); M <= 2
+        fuse = fuse_quant if fuse_quant is not None else kblock_fuses_quant(m, n, k)
+        a, a_s = (x2, x_scale) if is_fp8 or fuse else per_token_group_quant_fp8(x2, FP8_BLOCK)
         fp8_gemv_kblock(a, a_s, weight, weight_scale_inv, out, cfg.block_n, cfg.k_chunks, cfg.split_k,
                         cfg.num_warps, cfg.num_stages, splitk_counters)
         return out.reshape(*x.shape[:-1], n)

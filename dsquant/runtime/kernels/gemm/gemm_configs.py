@@ -280,6 +280,16 @@ def fp8_kblock_config(n: int, k: int) -> GemmConfig:
     return GemmConfig(1, 16, split, 4, 1, path="gemv_kblock", k_chunks=k_blocks)
 
 
+def kblock_fuses_quant(m: int, n: int, k: int) -> bool:
+    """Whether the K-block GEMV quantizes x itself (FUSE_QUANT) when the caller leaves it open: one
+    token on a weight of N <= 4096 and K <= 2048, where skipping the quant launch (~1.5 us) beats
+    every program redoing the quantization (H200, scripts/fp8_decode_probe.py, 2026-12-04: 3648 x 2048
+    5.9 against 6.9 us, 2048 x 2048 5.0 against 6.1, 4096 x 512 3.1 against 4.3); larger weights run
+    more programs, each redoing it, and lose (21888 x 2048 22.3 against 17.8, 18432 x 7168 54.6 against
+    45.8, 4096 x 7168 20.3 against 13.7), as do two tokens (8.9-176 against 7.5-17.8 at 2048 x 2048)."""
+    return m == 1 and n <= 4096 and k <= 2048
+
+
 def fp8_config(m: int, n: int, k: int, device=None) -> GemmConfig:
     """The FP8 path and launch config for M tokens: the K-block GEMV for one token on sm_90 (it beat
     the GEMV and cuBLAS at every whole-block DeepSeek shape on the H200, 1.26-1.37x at 18432 x 7168

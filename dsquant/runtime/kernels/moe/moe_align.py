@@ -35,7 +35,11 @@ class MoeAlignment:
 @triton.jit
 def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
                       num_pairs, num_experts, max_padded, max_blocks,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                      FILL: tl.constexpr, BLOCKS: tl.constexpr):
+    """One program. CHUNK pairs a pass over topk_ids ([CHUNK, BLOCK_E] one-hot tiles), FILL rows a
+    pass of the sentinel fill, BLOCKS block ids a pass of the expert_ids search; each sized by the
+    host to what it covers, so a decode step (8 pairs, 128 rows) makes one pass of each."""
     e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -48,11 +52,11 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
     starts = ends - padded
     total = tl.sum(padded, axis=0)
     tl.store(num_post_pad_ptr, total)
-    for start in range(0, max_padded, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=offs < max_padded)
-    for start in range(0, max_blocks, CHUNK):
-        b = start + tl.arange(0, CHUNK)  # [CHUNK] block index
+    for start in range(0, max_padded, FILL):
+        offs = start + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + offs, tl.zeros([FILL], dtype=tl.int32) + num_pairs, mask=offs < max_padded)
+    for start in range(0, max_blocks, BLOCKS):
+        b = start + tl.arange(0, BLOCKS)  # [BLOCKS] block index
         row0 = b * BLOCK_M
         expert = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), axis=1)  # experts ending before
         tl.store(expert_ids_ptr + b, tl.where(row0 < total, expert, -1), mask=b < max_blocks)
@@ -129,8 +133,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         _align_torch(flat, num_experts, block_m, sorted_ids, expert_ids, num_post)
         return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, num_pairs)
     block_e = max(16, triton.next_power_of_2(num_experts))
-    chunk = max(16, min(128, 8192 // block_e))
+    max_blocks = max_padded // block_m
+    chunk = max(16, min(128, 8192 // block_e, triton.next_power_of_2(num_pairs)))
+    blocks = max(16, min(128, 8192 // block_e, triton.next_power_of_2(max_blocks)))
+    fill = max(16, min(1024, triton.next_power_of_2(max_padded)))
+    small = chunk * block_e <= 2048 and blocks * block_e <= 2048  # a decode step's tiles: 4 warps are plenty
     _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, num_pairs, num_experts,
-                            max_padded, max_padded // block_m, BLOCK_M=block_m, BLOCK_E=block_e,
-                            CHUNK=chunk, num_warps=4 if block_e <= 64 else 8)
+                            max_padded, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
+                            CHUNK=chunk, FILL=fill, BLOCKS=blocks, num_warps=4 if block_e <= 64 or small else 8)
     return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, num_pairs)
