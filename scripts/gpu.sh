@@ -11,6 +11,7 @@
 #   main job:   demo (dsquant demo --device cuda, then a CPU validate of the same artifacts)
 #   kernels:    gemm, mmaprobe (scripts/w4a16_mma_probe.py), gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe,
 #               moegemv (scripts/moe_gemv_probe.py: the INT4 MoE GEMV with and without its dequantization),
+#               moeq (scripts/moe_fp8_quant_probe.py: MoE decode with and without align / in-GEMM fp8 quant),
 #               fp8dec (scripts/fp8_decode_probe.py: FP8 decode GEMV forms, L2-cold), attention,
 #               kvfp8 (FP8-KV-cache decode rows), kvsweep (their launch configs: scripts/kvfp8_sweep.py),
 #               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), prefill (GQA prefill
@@ -96,6 +97,8 @@ for step in "$@"; do
             > "$OUT/moe_gemv_probe.txt" 2>&1 ;;
     fp8dec) timeout "${FP8DEC_S:-200}" python3 scripts/fp8_decode_probe.py "$OUT/fp8dec.json" ${FP8DEC_ARGS:-} \
         > "$OUT/fp8dec.txt" 2>&1 ;;
+    moeq) timeout "${MOEQ_S:-150}" python3 scripts/moe_fp8_quant_probe.py "$OUT/moeq.json" ${MOEQ_ARGS:-} \
+            > "$OUT/moeq.txt" 2>&1 ;;
     moe) timeout "${MOE_S:-150}" python3 -m dsquant bench moe ${MOE_ARGS:-} --json "$OUT/moe.json" > "$OUT/moe.txt" 2>&1 ;;
     attention) timeout "${ATT_S:-200}" python3 -m dsquant bench attention --sweep --peer-gb 100 \
             --json "$OUT/attention.json" > "$OUT/attention.txt" 2>&1 ;;

@@ -6,7 +6,9 @@ intermediate 1408, bf16 activations, random weights and inputs. For T tokens and
   the routing weights + top-k sum), shared experts run as two extra always-selected experts;
   BF16, INT4 (AWQ g128 repacked) and FP8 block (128x128 weights, per-token-group activations).
   INT4 with at most moe_gemv.MOE_GEMV_MAX_PAIRS pairs (T <= 2 here) runs the per-pair GEMVs
-  instead (no alignment; moe_gemv.py); the "config" column says "gemv" then. FP8's per-pair GEMV
+  instead (no alignment; moe_gemv.py); the "config" column says "gemv" then. One token on the
+  grouped GEMMs (BF16, FP8) runs a block per pair without moe_align ("pair blocks"; FP8 also
+  quantizes the activations inside the GEMMs); the align columns time moe_align alone regardless. FP8's per-pair GEMV
   (moe_gemv_fp8.py) is not dispatched (slower); --sweep int4 / fp8 also times that format's GEMV at every GEMV_SWEEP (block_n, warps)
   and GEMV_SPLITS split_k, whatever the pair count (FP8 also in its elementwise form on an
   activation quantized once, kernel "gemv_elementwise_prequant"); each row names its block_n, num_warps,
@@ -252,7 +254,7 @@ def moe(json_path, tokens, fmts, layers, sweep_fmts, sweep_tokens):
     import triton.testing as tt
 
     from dsquant.bench.common import time_graph_and_eager, write_json
-    from dsquant.runtime.kernels.moe.fused_moe import fused_moe, pick_configs
+    from dsquant.runtime.kernels.moe.fused_moe import ONE_BLOCK_PER_PAIR_MAX_TOKENS, fused_moe, pick_configs
     from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size
     from dsquant.runtime.kernels.moe.moe_gemv import MOE_GEMV_MAX_PAIRS
 
@@ -283,7 +285,7 @@ def moe(json_path, tokens, fmts, layers, sweep_fmts, sweep_tokens):
             graph, eager = (v / layers for v in time_graph_and_eager(fn))
             cfg13, _ = pick_configs(t * (TOP_K + N_SHARED), E + N_SHARED, fmt)
             path = ("gemv" if fmt == "int4" and t * (TOP_K + N_SHARED) <= MOE_GEMV_MAX_PAIRS
-                    else str(cfg13))
+                    else f"pair blocks {cfg13}" if t <= ONE_BLOCK_PER_PAIR_MAX_TOKENS else str(cfg13))
             align_us = []
             for method in ("triton", "torch"):
                 align_fn = lambda r=r, bm=cfg13.block_m, m=method: [  # noqa: E731

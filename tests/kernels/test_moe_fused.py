@@ -15,7 +15,8 @@ from dsquant.runtime.kernels.moe.fused_moe import (fused_moe, pick_configs, spli
 from dsquant.models.routing import RoutingConfig, route
 from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8, quantize_act_fp8_torch
 from dsquant.runtime.kernels.moe.fused_moe_int4 import dequantize_int4_experts, int4_experts_from_awq
-from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size
+from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8
+from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size, one_block_per_pair
 from dsquant.runtime.kernels.moe.moe_gemm import GemmConfig, moe_gemm
 from dsquant.runtime.kernels.moe.reference_moe import moe_experts_reference
 from tests.kernels.moe_cases import (FORMATS, V2_LITE, V3_REDUCED, awq_stack, check_close, draw_experts,
@@ -177,6 +178,53 @@ def test_grouped_gemm_writes_every_pair_row(fmt, device):
     a, a_s, a_ref = _fp8_input(act, fmt)
     out = _gemm_into_poisoned(a, weights.w2, align, cfg, h, 1, gated=False, tw=tw, a_s=a_s)  # [P, H]
     check_close(out, pair_reference(a_ref, d2, ids, 1, gated=False, tw=tw), 4e-3, what="down")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("t,k", [(1, 4), (5, 3)])
+def test_grouped_gemm_one_block_per_pair(fmt, t, k, device):
+    """moe_align.one_block_per_pair (no align launch, block b = pair b): both GEMMs write every
+    pair row and no other, each the float64 pair product; T = 5 repeats experts across tokens
+    (each pair then reads its expert again: still exact)."""
+    h, inter = _shape(fmt)
+    weights, d13, d2 = make_experts(fmt, E, h, inter, torch.float16, device, seed=20 + t)
+    tw, ids = random_topk(t, E, k, device)
+    cfg, _ = pick_configs(t * k, E, fmt.split("-g")[0])
+    align = one_block_per_pair(ids, cfg.block_m)
+    assert align.expert_ids.shape[0] == t * k and align.one_block_per_pair
+    a, a_s, a_ref = _fp8_input(hidden_states(t, h, torch.float16, device, seed=t), fmt)  # [T, H]
+    act = _gemm_into_poisoned(a, weights.w13, align, cfg, inter, k, gated=True, a_s=a_s)  # [P, I]
+    check_close(act, pair_reference(a_ref, d13, ids, k, gated=True), 4e-3, what="gate/up")
+    a, a_s, a_ref = _fp8_input(act, fmt)
+    out = _gemm_into_poisoned(a, weights.w2, align, cfg, h, 1, gated=False, tw=tw, a_s=a_s)  # [P, H]
+    check_close(out, pair_reference(a_ref, d2, ids, 1, gated=False, tw=tw), 4e-3, what="down")
+
+
+@pytest.mark.parametrize("pair_blocks", [True, False])
+def test_fp8_grouped_gemm_quantizes_activations_in_kernel(pair_blocks, device):
+    """fp8 experts with a bf16/fp16 a and no a_scale (A_QUANT): the kernel's per-tile quantization
+    gives the product of a as the Triton quantizer (per_token_group_quant_fp8, the same
+    quant_group_fp8) rounds it, at H = 200 (a partial 128 block) with the rows read from NaN-padded
+    buffers (a tile reading past K turns NaN); on CPU the interpreter mis-rounds in-kernel fp8
+    casts, but both kernels share that rounding. An fp8 a without scales is refused."""
+    h, inter = _shape("fp8")
+    weights, d13, d2 = make_experts("fp8", E, h, inter, torch.float16, device, seed=31)
+    t, k = (1, 4) if pair_blocks else (6, 3)
+    tw, ids = random_topk(t, E, k, device)
+    cfg, _ = pick_configs(t * k, E, "fp8")
+    align = one_block_per_pair(ids, cfg.block_m) if pair_blocks else moe_align_block_size(ids, E, cfg.block_m)
+    for w, n_out, rows, width, div, gated in ((weights.w13, inter, t, h, k, True),
+                                              (weights.w2, h, t * k, inter, 1, False)):
+        buf = torch.full((rows, width + 256), float("nan"), dtype=torch.float16, device=device)
+        buf[:, :width] = hidden_states(rows, width, torch.float16, device, seed=rows)
+        a = buf[:, :width]
+        q, s = per_token_group_quant_fp8(a)
+        a_ref = q.double() * s.double().repeat_interleave(128, 1)[:, :width]
+        out = _gemm_into_poisoned(a, w, align, cfg, n_out, div, gated, None if gated else tw)
+        ref = pair_reference(a_ref, d13 if gated else d2, ids, div, gated, None if gated else tw)
+        check_close(out, ref, 4e-3, what="gate/up" if gated else "down")
+    with pytest.raises(ValueError, match="float8_e4m3fn a with a_scale"):
+        moe_gemm(q, weights.w2, align, torch.empty(t * k, h, device=device), cfg, 1, False)
 
 
 @pytest.mark.parametrize("gated", [True, False])

@@ -18,6 +18,8 @@ Block sizes are picked by a heuristic from the pairs per expert (never tuned at 
 INT4 experts with at most MOE_GEMV_MAX_PAIRS (token, expert) pairs (decode) skip the alignment and
 run moe_gemv's per-pair GEMVs (split-K by moe_gemv.default_split_k, counters reserved here at load)
 instead of the grouped MMA GEMMs. FP8 experts always take the grouped GEMMs (see _expert_gemvs).
+One token (T = 1) on the grouped GEMMs (bf16, fp8) runs one block per pair, without the align
+launch (moe_align.one_block_per_pair); fp8 experts then quantize the activations inside the GEMMs.
 INT4 experts with prefill-sized batches (DEQUANT_MIN_PAIRS_PER_EXPERT) are dequantized once per call
 and run the bf16 grouped GEMMs (int4_dequant.py says why).
 """
@@ -30,7 +32,7 @@ import torch
 
 from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8
 from dsquant.runtime.kernels.moe.int4_dequant import dequantize_int4_grouped
-from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size
+from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size, one_block_per_pair
 from dsquant.runtime.kernels.moe.moe_gemm import GemmConfig, GroupedWeight, moe_gemm
 from dsquant.runtime.kernels.moe.moe_gemv import MOE_GEMV_MAX_PAIRS, moe_gemv_int4, reserve_gemv_counters
 from dsquant.runtime.kernels.moe.moe_sum import moe_sum
@@ -40,6 +42,11 @@ from dsquant.runtime.kernels.moe.moe_sum import moe_sum
 # when w13 + w2 dequantized take at most DEQUANT_MAX_BYTES.
 DEQUANT_MIN_PAIRS_PER_EXPERT = 256
 DEQUANT_MAX_BYTES = 4 << 30
+# Batches of at most this many tokens on the grouped GEMMs skip moe_align (one block per pair; a
+# token's experts are distinct, so no weight is read twice), and fp8 experts quantize the
+# activations inside the GEMMs (GPU); scripts/moe_fp8_quant_probe.py times both rules at other T.
+ONE_BLOCK_PER_PAIR_MAX_TOKENS = 1
+FP8_FUSE_QUANT_MAX_TOKENS = 1
 
 
 @dataclass
@@ -153,14 +160,28 @@ def expert_outputs(hidden: torch.Tensor, weights: MoeWeights, topk_ids: torch.Te
                              dequantize_int4_grouped(weights.w2, hidden.dtype))
         fmt = "bf16"
     cfg13, cfg2 = configs or pick_configs(t * top_k, weights.num_experts, fmt)
-    align = moe_align_block_size(topk_ids, weights.num_experts, cfg13.block_m)
+    if t <= ONE_BLOCK_PER_PAIR_MAX_TOKENS and configs is None:  # no align launch
+        align = one_block_per_pair(topk_ids, cfg13.block_m)
+    else:
+        align = moe_align_block_size(topk_ids, weights.num_experts, cfg13.block_m)
     upcast = os.environ.get("TRITON_INTERPRET") == "1"
-    a, a_scale = quantize_act_fp8(hidden) if fmt == "fp8" else (hidden, None)
+    # fp8 decode: the activations are quantized inside the GEMMs (no quant launches) on a GPU
+    fuse_quant = (fmt == "fp8" and t <= FP8_FUSE_QUANT_MAX_TOKENS and configs is None and hidden.is_cuda
+                  and not upcast)
+    a, a_scale = _fp8_act(hidden, fmt, fuse_quant)
     moe_gemm(a, weights.w13, align, act, cfg13, a_row_div=top_k, gated=True, a_scale=a_scale,
              fp8_upcast=upcast)
-    a, a_scale = quantize_act_fp8(act) if fmt == "fp8" else (act, None)
+    a, a_scale = _fp8_act(act, fmt, fuse_quant)
     moe_gemm(a, weights.w2, align, out, cfg2, a_row_div=1, gated=False, a_scale=a_scale, fp8_upcast=upcast)
     return out.view(t, top_k, h)
+
+
+def _fp8_act(x: torch.Tensor, fmt: str, in_kernel: bool):
+    """(GEMM input, its scales): fp8 experts get x quantized here (quantize_act_fp8), unless the
+    GEMM quantizes it (in_kernel: x and None); other formats x as it is."""
+    if fmt != "fp8" or in_kernel:
+        return x, None
+    return quantize_act_fp8(x)
 
 
 def _dequantize_first(weights: MoeWeights, pairs: int, elem_bytes: int) -> bool:

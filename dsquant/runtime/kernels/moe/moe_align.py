@@ -13,6 +13,8 @@ Two implementations with identical outputs: "triton", one program doing it all (
 the pairs, one-hot counts and in-chunk prefix sums), a single small launch, which is what decode
 wants, but its cost grows with T*top_k*E; and "torch", a stable argsort plus scatters (about a
 dozen launches, all capturable), which wins for large batches. "auto" picks by the pair count.
+`one_block_per_pair` is the launch-free alternative for one token (its pairs have distinct experts):
+block b is pair b alone, expert_ids = topk_ids.flat, no sorted ids (moe_gemm's PAIR_BLOCKS).
 """
 from __future__ import annotations
 
@@ -25,11 +27,25 @@ import triton.language as tl
 
 @dataclass
 class MoeAlignment:
-    sorted_token_ids: torch.Tensor  # int32 [max_padded]
-    expert_ids: torch.Tensor  # int32 [max_padded // block_m]
-    num_tokens_post_padded: torch.Tensor  # int32 [1]
+    sorted_token_ids: torch.Tensor | None  # int32 [max_padded]; None: one block per pair
+    expert_ids: torch.Tensor  # int32 [max_padded // block_m]; one block per pair: topk_ids.flat [P]
+    num_tokens_post_padded: torch.Tensor | None  # int32 [1]; None: one block per pair
     block_m: int
     num_pairs: int  # T * top_k, also the padding sentinel
+
+    @property
+    def one_block_per_pair(self) -> bool:
+        return self.sorted_token_ids is None
+
+
+def one_block_per_pair(topk_ids: torch.Tensor, block_m: int) -> MoeAlignment:
+    """topk_ids [T, top_k] (ids in [0, E)) -> the alignment where block b holds pair b alone: no
+    launch, expert_ids a view of topk_ids. Exact for any batch, but a pair of an expert another
+    pair also has reads that expert's weights again, so it suits one token (distinct experts)."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, top_k], got {tuple(topk_ids.shape)}")
+    flat = topk_ids.reshape(-1)
+    return MoeAlignment(None, flat if flat.is_contiguous() else flat.contiguous(), None, block_m, flat.numel())
 
 
 @triton.jit

@@ -16,8 +16,14 @@ Expert weight layouts (GroupedWeight.format), N output rows, K input columns, al
   [E, K/G, N] in the activation dtype, zeros uint8 [E, K/G, N]; W[n, k] = (q - z) * s,
   dequantised in registers two nibble planes per instruction (moe_int4_loop.py); BLOCK_K = 128.
 - "fp8": weight float8_e4m3fn [E, N, K], scale_inv fp32 [E, ceil(N/128), ceil(K/128)]; a is fp8
-  [rows, K] with a_scale fp32 [rows, ceil(K/128)] (per token per 128 channels); BLOCK_K = 128.
+  [rows, K] with a_scale fp32 [rows, ceil(K/128)] (per token per 128 channels), or a bf16/fp16
+  a (a_scale None, A_QUANT) that each program quantizes per [BLOCK_M, 128] tile with
+  fp8_quant.quant_group_fp8 (quantize_act_fp8's arithmetic; GPU only: the Triton interpreter
+  mis-rounds in-kernel fp8 casts); BLOCK_K = 128.
 Accumulation is fp32; outputs are rounded once to out's dtype.
+Blocks come from moe_align (sorted ids) or, with moe_align.one_block_per_pair (PAIR_BLOCKS), block
+b is pair b alone (its other BLOCK_M - 1 rows masked) and its expert topk_ids.flat[b]: no align
+launch, which is what one decode token wants.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels.gemm.fp8_quant import quant_group_fp8
 from dsquant.runtime.kernels.ops.activation import silu_mul_as_reference
 from dsquant.runtime.kernels.gemm.w4a16_mma import _MAGIC, paired_default
 from dsquant.runtime.kernels.moe.moe_align import MoeAlignment
@@ -77,13 +84,20 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
                      stride_om,
                      W_FORMAT: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                      ROUTED: tl.constexpr, FP8_UPCAST: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PAIR_BLOCKS: tl.constexpr = False, A_QUANT: tl.constexpr = False):
+    """Grid (blocks, cdiv(N, BLOCK_N)); layouts in the module docstring. PAIR_BLOCKS: block pid_m is
+    pair pid_m (sorted_ids_ptr, num_post_pad_ptr unused); A_QUANT: fp8 weights, a bf16/fp16
+    quantized here per [BLOCK_M, 128] tile (a_scale_ptr unused)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
-        return
+    if PAIR_BLOCKS:
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)  # [BLOCK_M]: the pair, then padding
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+            return
+        pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
     row_mask = pair < num_pairs
     a_row = (pair // a_row_div).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -105,7 +119,10 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
                 b_up = _load_weight_tile(w_ptr, expert, offs_n + N, n_mask, k0, K, stride_we, stride_wn,
                                          BLOCK_K)
             if W_FORMAT == 2:
-                a_s = tl.load(a_scale_ptr + a_row * stride_asm + k0 // 128, mask=row_mask, other=0.0)
+                if A_QUANT:  # per row of the tile: scale = max(amax, 1e-10) / 448, e4m3 codes
+                    a, a_s = quant_group_fp8(a.to(tl.float32), 1)  # [BM, BLOCK_K] e4m3, [BM]
+                else:
+                    a_s = tl.load(a_scale_ptr + a_row * stride_asm + k0 // 128, mask=row_mask, other=0.0)
                 w_off = expert * stride_se + (k0 // 128) * stride_s2  # scale_inv [E, N/128, K/128]
                 w_s = tl.load(s_ptr + w_off + (offs_n // 128) * stride_s1, mask=n_mask, other=0.0)
                 if FP8_UPCAST:  # the Triton interpreter has no fp8 dot: same products in fp32
@@ -135,7 +152,9 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
 def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.Tensor,
              cfg: GemmConfig, a_row_div: int, gated: bool, topk_weights: torch.Tensor | None = None,
              a_scale: torch.Tensor | None = None, fp8_upcast: bool = False) -> torch.Tensor:
-    """One grouped GEMM (see module docstring). out [T*top_k, N or N/2 when gated] is written."""
+    """One grouped GEMM (see module docstring). out [T*top_k, N or N/2 when gated] is written.
+    fp8 experts take a float8_e4m3fn a with a_scale, or a bf16/fp16 a (a_scale None) quantized in
+    the kernel (GPU only)."""
     if cfg.block_m != align.block_m:
         raise ValueError(f"config block_m {cfg.block_m} differs from the alignment's {align.block_m}")
     n_out = w.n // 2 if gated else w.n
@@ -145,19 +164,28 @@ def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.
     if fmt == 1 and (cfg.block_k != 128 or cfg.block_n % 16):
         raise ValueError(f"int4 experts need BLOCK_K = 128 (the packing tile) and BLOCK_N a multiple of 16, "
                          f"got {cfg.block_k} and {cfg.block_n}")
-    if fmt == 2 and (cfg.block_k != 128 or a_scale is None):
-        raise ValueError("fp8 experts need BLOCK_K = 128 and per-token-group activation scales")
+    a_quant = fmt == 2 and a_scale is None
+    if fmt == 2 and cfg.block_k != 128:
+        raise ValueError(f"fp8 experts need BLOCK_K = 128 (the scale block), got {cfg.block_k}")
+    if fmt == 2 and (a.dtype == torch.float8_e4m3fn) == a_quant:
+        raise ValueError(f"fp8 experts take a float8_e4m3fn a with a_scale, or a bf16/fp16 a without "
+                         f"(quantized in the kernel); got {a.dtype} with a_scale "
+                         f"{'None' if a_scale is None else tuple(a_scale.shape)}")
     s = w.scales if w.scales is not None else w.weight
     z = w.zeros if w.zeros is not None else w.weight
     a_s = a_scale if a_scale is not None else a
     tw = topk_weights.reshape(-1) if topk_weights is not None else a
     s_strides = (s.stride(0), s.stride(1), s.stride(2)) if s.dim() == 3 else (0, 0, 0)
     grid = (align.expert_ids.shape[0], triton.cdiv(n_out, cfg.block_n))
+    pair_blocks = align.one_block_per_pair
+    sorted_ids = align.expert_ids if pair_blocks else align.sorted_token_ids  # a stub pointer for pair blocks
+    num_post = align.expert_ids if pair_blocks else align.num_tokens_post_padded
     _moe_gemm_kernel[grid](
-        a, a_s, w.weight, s, z, out, tw, align.sorted_token_ids, align.expert_ids,
-        align.num_tokens_post_padded, n_out, w.k, align.num_pairs, a_row_div,
+        a, a_s, w.weight, s, z, out, tw, sorted_ids, align.expert_ids,
+        num_post, n_out, w.k, align.num_pairs, a_row_div,
         a.stride(0), a_s.stride(0), w.weight.stride(0), w.weight.stride(1), *s_strides, out.stride(0), W_FORMAT=fmt, GROUP=max(w.group_size, 1), GATED=gated,
         ROUTED=topk_weights is not None, FP8_UPCAST=fp8_upcast, MAGIC=_MAGIC.get(a.dtype, 0),
         PAIRED=paired_default(), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PAIR_BLOCKS=pair_blocks, A_QUANT=a_quant,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
