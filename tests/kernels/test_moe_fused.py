@@ -70,6 +70,21 @@ def test_fused_moe_matches_reference(fmt, t, k, device):
     _check(fmt, weights, d13, d2, hidden, *random_topk(t, E, k, device))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("t", [1, 2])
+def test_decode_rules_on_match_reference(fmt, t, monkeypatch, device):
+    """With the one-block-per-pair and in-GEMM fp8 quant rules switched on up to 2 tokens,
+    fused_moe still equals the float64 loop (on CPU the fp8 activations are quantized by torch;
+    the in-kernel quant is the GPU test's)."""
+    from dsquant.runtime.kernels.moe import fused_moe as fm
+    monkeypatch.setattr(fm, "ONE_BLOCK_PER_PAIR_MAX_TOKENS", 2)
+    monkeypatch.setattr(fm, "FP8_FUSE_QUANT_MAX_TOKENS", 2)
+    h, inter = _shape(fmt)
+    weights, d13, d2 = make_experts(fmt, E, h, inter, torch.float16, device, seed=10 + t)
+    hidden = hidden_states(t, h, torch.float16, device, seed=10 + t)
+    _check(fmt, weights, d13, d2, hidden, *random_topk(t, E, 3, device))
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int4-g64", "fp8"])
 def test_experts_without_tokens(fmt, device):
     """16 experts, only 3 of them receive pairs: the other blocks must not be computed or written."""
@@ -262,6 +277,21 @@ def test_fused_moe_v2_lite_bf16_full_size(fmt, t, device):
     INT4 GEMV path; 517, 4096: the grouped GEMMs)."""
     weights, d13, d2 = v2_lite_experts(fmt)
     hidden = hidden_states(t, V2_LITE["hidden"], torch.bfloat16, device, seed=t)
+    tw, ids = with_shared_experts(*random_topk(t, 64, 6, device), 64, 2)
+    _check(fmt, weights, d13, d2, hidden, tw, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_fused_moe_v2_lite_decode_rules_on(fmt, t, monkeypatch, device):
+    """The V2-Lite layer at decode sizes with both decode rules on (one block per pair, fp8
+    activations quantized inside the grouped GEMMs): equals the float64 loop, whole and per block."""
+    from dsquant.runtime.kernels.moe import fused_moe as fm
+    monkeypatch.setattr(fm, "ONE_BLOCK_PER_PAIR_MAX_TOKENS", 2)
+    monkeypatch.setattr(fm, "FP8_FUSE_QUANT_MAX_TOKENS", 2)
+    weights, d13, d2 = v2_lite_experts(fmt)
+    hidden = hidden_states(t, V2_LITE["hidden"], torch.bfloat16, device, seed=20 + t)
     tw, ids = with_shared_experts(*random_topk(t, 64, 6, device), 64, 2)
     _check(fmt, weights, d13, d2, hidden, tw, ids)
 

@@ -18,8 +18,9 @@ Block sizes are picked by a heuristic from the pairs per expert (never tuned at 
 INT4 experts with at most MOE_GEMV_MAX_PAIRS (token, expert) pairs (decode) skip the alignment and
 run moe_gemv's per-pair GEMVs (split-K by moe_gemv.default_split_k, counters reserved here at load)
 instead of the grouped MMA GEMMs. FP8 experts always take the grouped GEMMs (see _expert_gemvs).
-One token (T = 1) on the grouped GEMMs (bf16, fp8) runs one block per pair, without the align
-launch (moe_align.one_block_per_pair); fp8 experts then quantize the activations inside the GEMMs.
+Up to ONE_BLOCK_PER_PAIR_MAX_TOKENS tokens on the grouped GEMMs run one block per pair, without the
+align launch (moe_align.one_block_per_pair); up to FP8_FUSE_QUANT_MAX_TOKENS, fp8 experts quantize
+the activations inside the GEMMs (off: slower on the H100, see below).
 INT4 experts with prefill-sized batches (DEQUANT_MIN_PAIRS_PER_EXPERT) are dequantized once per call
 and run the bf16 grouped GEMMs (int4_dequant.py says why).
 """
@@ -43,10 +44,16 @@ from dsquant.runtime.kernels.moe.moe_sum import moe_sum
 DEQUANT_MIN_PAIRS_PER_EXPERT = 256
 DEQUANT_MAX_BYTES = 4 << 30
 # Batches of at most this many tokens on the grouped GEMMs skip moe_align (one block per pair; a
-# token's experts are distinct, so no weight is read twice), and fp8 experts quantize the
-# activations inside the GEMMs (GPU); scripts/moe_fp8_quant_probe.py times both rules at other T.
-ONE_BLOCK_PER_PAIR_MAX_TOKENS = 1
-FP8_FUSE_QUANT_MAX_TOKENS = 1
+# token's experts are distinct, so no weight is read twice). H100, V2-Lite layer, 8 layers' weights,
+# graph replays (scripts/moe_decode_probe.py): fp8 T = 1 36.9 vs 40.5 us, T = 2 53.3 vs 58.0; bf16
+# T = 1 53.8 vs 57.5, T = 2 87.8 vs 91.6; at T = 8 bf16 loses (222 vs 219) and at T = 64 both lose
+# 2.7x (each pair's block reads its expert's weights again).
+ONE_BLOCK_PER_PAIR_MAX_TOKENS = 2
+# fp8 experts quantize the activations inside the grouped GEMMs (A_QUANT) up to this many tokens:
+# off. On the H100 it lost everywhere: T = 1 103 vs 37 us, T = 8 288 vs 135, T = 64 471 vs 246, and
+# the FP8 engine at batch 1 ran 245 vs 409 tok/s; probably the per-step tile amax in the K loop costs more
+# than the two quant launches it saves. Kept (CPU- and GPU-tested) for a faster form.
+FP8_FUSE_QUANT_MAX_TOKENS = 0
 
 
 @dataclass
