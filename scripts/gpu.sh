@@ -11,12 +11,13 @@
 #   main job:   demo (dsquant demo --device cuda, then a CPU validate of the same artifacts)
 #   kernels:    gemm, mmaprobe (scripts/w4a16_mma_probe.py), gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe,
 #               moegemv (scripts/moe_gemv_probe.py: the INT4 MoE GEMV with and without its dequantization),
-#               moeq (scripts/moe_fp8_quant_probe.py: MoE decode with and without align / in-GEMM fp8 quant),
+#               moeq (scripts/moe_decode_probe.py: MoE decode with and without align / in-GEMM fp8 quant),
 #               fp8dec (scripts/fp8_decode_probe.py: FP8 decode GEMV forms, L2-cold), attention,
 #               kvfp8 (FP8-KV-cache decode rows), kvsweep (their launch configs: scripts/kvfp8_sweep.py),
-#               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), prefill (GQA prefill
+#               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), mlashort (short contexts:
+#               how finely to split, scripts/mla_short_sweep.py), prefill (GQA prefill
 #               configs against SDPA: scripts/prefill_sweep.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
-#   engine:     engine, enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
+#   engine:     engine, engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
 #               prompt; long32: 32768), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
 #               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split)
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
@@ -97,7 +98,7 @@ for step in "$@"; do
             > "$OUT/moe_gemv_probe.txt" 2>&1 ;;
     fp8dec) timeout "${FP8DEC_S:-200}" python3 scripts/fp8_decode_probe.py "$OUT/fp8dec.json" ${FP8DEC_ARGS:-} \
         > "$OUT/fp8dec.txt" 2>&1 ;;
-    moeq) timeout "${MOEQ_S:-150}" python3 scripts/moe_fp8_quant_probe.py "$OUT/moeq.json" ${MOEQ_ARGS:-} \
+    moeq) timeout "${MOEQ_S:-150}" python3 scripts/moe_decode_probe.py "$OUT/moeq.json" ${MOEQ_ARGS:-} \
             > "$OUT/moeq.txt" 2>&1 ;;
     moe) timeout "${MOE_S:-150}" python3 -m dsquant bench moe ${MOE_ARGS:-} --json "$OUT/moe.json" > "$OUT/moe.txt" 2>&1 ;;
     attention) timeout "${ATT_S:-200}" python3 -m dsquant bench attention --sweep --peer-gb 100 \
@@ -111,6 +112,8 @@ rows = fp8_rows(64, torch.Generator().manual_seed(0), lambda r: _print([r]))
 write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1 ;;
     kvsweep) timeout "${KVS_S:-360}" python3 scripts/kvfp8_sweep.py "$OUT/kvsweep.json" --budget-s "${KVS_BUDGET:-320}" \
         ${KVS_ARGS:-} > "$OUT/kvsweep.txt" 2>&1 ;;
+    mlashort) timeout "${MLASHORT_S:-200}" python3 scripts/mla_short_sweep.py "$OUT/mlashort.json" ${MLASHORT_ARGS:-} \
+            > "$OUT/mlashort.txt" 2>&1 ;;
     mlalong) timeout "${MLALONG_S:-200}" python3 scripts/mla_long_sweep.py "$OUT/mlalong.json" --budget-s "${MLALONG_BUDGET:-150}" \
         > "$OUT/mlalong.txt" 2>&1 ;;
     prefill) timeout "${PREFILL_S:-200}" python3 scripts/prefill_sweep.py "$OUT/prefill.json" > "$OUT/prefill.txt" 2>&1 ;;
@@ -118,6 +121,14 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
     cache) tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . ;;
     engine) timeout "${ENGINE_S:-300}" python3 -m dsquant bench engine ${ENGINE_ARGS:---schemes int4,bf16,fp8 --modes async} \
             --peer-batches "" --json "$OUT/engine.json" > "$OUT/engine.txt" 2>&1 ;;
+    engineon) timeout "${ENGINE_S:-300}" python3 -c "
+import sys
+import dsquant.runtime.kernels.moe.fused_moe as fm
+fm.ONE_BLOCK_PER_PAIR_MAX_TOKENS, fm.FP8_FUSE_QUANT_MAX_TOKENS = ${PAIR_N:-${RULES_N:-1}}, ${FUSE_N:-${RULES_N:-1}}
+from dsquant.cli import main
+sys.argv = ['dsquant', 'bench', 'engine', *'${ENGINE_ARGS:---schemes fp8,bf16 --modes async}'.split(),
+            '--peer-batches', '', '--json', '$OUT/engineon.json']
+main()" > "$OUT/engineon.txt" 2>&1 ;;  # engine with fused_moe's decode rules at PAIR_N, FUSE_N (default RULES_N; A/B against engine)
     enginefull) timeout "${ENGINE_S:-420}" python3 -m dsquant bench engine --schemes "${SCHEMES:-int4,fp8,bf16}" \
             --serve 1,8,32,64 --peer-batches "${PEER:-1,16}" --json "$OUT/enginefull.json" > "$OUT/enginefull.txt" 2>&1 ;;
     serve) timeout "${SERVE_S:-400}" python3 -m dsquant bench engine --schemes ${SERVE_SCHEMES:-fp8} --modes async \
@@ -159,7 +170,7 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/gpukernels.txt "$OUT"/gpurest.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
-for f in mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe engine enginefull serve long long32 attention v3 mlalong prefill; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+for f in mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
 # what comes back is limited in files: everything in one archive (steps.txt beside it)

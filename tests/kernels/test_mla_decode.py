@@ -68,6 +68,20 @@ def test_mla_decode_graph_max_seq_len(device):
                                atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_mla_decode_fine_splits(tiles, device):
+    """min_split_tiles below 4: a short context spreads over more splits of `tiles` x block_n tokens
+    (under a graph-sized max_seq_len), beside a sequence of one token and one past a block edge;
+    every key is still read once and the merge equals the reference."""
+    seq_lens = [1, 70, 17, 200]
+    q_nope, q_pe, cache, table, lens = _inputs(device, torch.float16, seq_lens, 16, 4, 64, 16, seed=11 + tiles)
+    out = torch.full_like(q_nope, float("nan"))
+    mla_decode_attention(q_nope, q_pe, cache, table, lens, 0.1, max_seq_len=1 << 17, out=out,
+                         config=MLADecodeConfig(block_n=16, num_stages=1, min_split_tiles=tiles))
+    torch.testing.assert_close(out.float(), mla_decode_reference(q_nope, q_pe, cache, table, lens, 0.1),
+                               atol=2e-3, rtol=0)
+
+
 def test_mla_absorbed_equals_unabsorbed(device):
     """out_latent @ W_UV == softmax([q W_UK-expanded K ; k_pe]) (W_UV c), with a YaRN mscale in the scale."""
     heads, rank, rope, nope, v_dim, block_size = 4, 64, 16, 32, 32, 16

@@ -57,6 +57,7 @@ class MLADecodeConfig:
     # tiles; off: on the H200 it ran 5-16% slower (BENCHMARKS.md, FP8 KV cache)
     fp8_f16_dots: bool = False  # FP8 cache: both dots in fp16, the tiles dequantized in fp16 (an experiment)
     fp8_prefetch: bool = False  # FP8 cache: mla_decode_fp8_prefetch.py's kernel (the next tile loaded ahead)
+    min_split_tiles: int = 4  # a split covers at least this many BLOCK_N tiles (split_kv_merge.split_bounds)
 
 
 @triton.jit
@@ -72,13 +73,13 @@ def _mla_decode_kernel(
     scale_log2, num_splits, num_heads,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LONG_MIN: tl.constexpr,
-    KV_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, F16: tl.constexpr,
+    KV_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, F16: tl.constexpr, MIN_TILES: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N, LONG_MIN)
+    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N, LONG_MIN, MIN_TILES)
 
     r = tl.arange(0, RANK)
     p = tl.arange(0, ROPE)
@@ -247,6 +248,8 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
     if fp8 and not folded and config.fp8_prefetch:
         kernel = mla_decode_fp8_prefetch_kernel
     fp8_args = {"F16_DOTS": config.fp8_f16_dots} if folded else {"KV_FP8": fp8, "F16": fp8 and config.fp8_f16_dots}
+    if kernel is _mla_decode_kernel:
+        fp8_args["MIN_TILES"] = config.min_split_tiles
     kernel[(batch, head_blocks, splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1),
         q_pe, q_pe.stride(0), q_pe.stride(1),

@@ -61,7 +61,7 @@ def mla_decode_fp8_prefetch_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N, LONG_MIN)
+    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N, LONG_MIN, 4)
 
     r = tl.arange(0, RANK)
     p = tl.arange(0, ROPE)

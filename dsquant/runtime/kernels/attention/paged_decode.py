@@ -63,7 +63,7 @@ def _paged_decode_gqa_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N, 0)
+    start, end = split_bounds(seq_len, split, num_splits, BLOCK_N, 0, 4)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)

@@ -96,15 +96,17 @@ def choose_num_splits(programs: int, max_seq_len: int, min_tokens: int, sms: int
 
 
 @triton.jit
-def split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr, LONG_MIN: tl.constexpr):
+def split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr, LONG_MIN: tl.constexpr,
+                 MIN_TILES: tl.constexpr):
     """Tokens [start, end) of `split` in a sequence of seq_len tokens: each sequence divides its own
-    length into chunks of at least 4 x BLOCK_N tokens (a split's partial result costs about what
-    reading that many keys does), a multiple of BLOCK_N, over at most num_splits splits; the
+    length into chunks of at least MIN_TILES x BLOCK_N tokens (4 by default: a split's partial result
+    costs about what reading that many keys does; fewer shortens a short context's chain of dependent
+    tile loads), a multiple of BLOCK_N, over at most num_splits splits; the
     remaining splits are empty. LONG_MIN > 0: chunks of at least LONG_MIN tokens once the sequence
     has 64 of them (MLA's many-split launches at batch 1: a long context in fewer, longer splits).
     Sized in the kernel, not from the launch's max_seq_len, so a launch captured in a CUDA graph
     for max_model_len fits every context length it replays."""
-    per = tl.maximum(tl.cdiv(seq_len, num_splits), 4 * BLOCK_N)
+    per = tl.maximum(tl.cdiv(seq_len, num_splits), MIN_TILES * BLOCK_N)
     if LONG_MIN > 0:
         per = tl.maximum(per, tl.minimum(LONG_MIN, tl.cdiv(seq_len, 64)))
     per = tl.cdiv(per, BLOCK_N) * BLOCK_N
