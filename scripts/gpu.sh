@@ -17,7 +17,7 @@
 #               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), mlashort (short contexts:
 #               how finely to split, scripts/mla_short_sweep.py), prefill (GQA prefill
 #               configs against SDPA: scripts/prefill_sweep.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
-#   engine:     engine, engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
+#   engine:     engine, engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
 #               prompt; long32: 32768), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
 #               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split)
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
@@ -124,11 +124,13 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
     engineon) timeout "${ENGINE_S:-300}" python3 -c "
 import sys
 import dsquant.runtime.kernels.moe.fused_moe as fm
+import dsquant.runtime.kernels.attention.mla_decode as md
 fm.ONE_BLOCK_PER_PAIR_MAX_TOKENS, fm.FP8_FUSE_QUANT_MAX_TOKENS = ${PAIR_N:-${RULES_N:-1}}, ${FUSE_N:-${RULES_N:-1}}
+md.NARROW_SPLIT_TILES = ${MLA_TILES:-md.NARROW_SPLIT_TILES}
 from dsquant.cli import main
 sys.argv = ['dsquant', 'bench', 'engine', *'${ENGINE_ARGS:---schemes fp8,bf16 --modes async}'.split(),
-            '--peer-batches', '', '--json', '$OUT/engineon.json']
-main()" > "$OUT/engineon.txt" 2>&1 ;;  # engine with fused_moe's decode rules at PAIR_N, FUSE_N (default RULES_N; A/B against engine)
+            '--peer-batches', '', '--json', '$OUT/engineon${TAG:-}.json']
+main()" > "$OUT/engineon${TAG:-}.txt" 2>&1 ;;  # engine with fused_moe's decode rules at PAIR_N, FUSE_N (default RULES_N) and MLA_TILES (mla_decode.NARROW_SPLIT_TILES); A/B against engine
     enginefull) timeout "${ENGINE_S:-420}" python3 -m dsquant bench engine --schemes "${SCHEMES:-int4,fp8,bf16}" \
             --serve 1,8,32,64 --peer-batches "${PEER:-1,16}" --json "$OUT/enginefull.json" > "$OUT/enginefull.txt" 2>&1 ;;
     serve) timeout "${SERVE_S:-400}" python3 -m dsquant bench engine --schemes ${SERVE_SCHEMES:-fp8} --modes async \

@@ -212,13 +212,19 @@ FP8_CONFIG = MLADecodeConfig(block_n=16, fp8_prefetch=True)
 WIDE_CONFIG = MLADecodeConfig(block_n=64)
 
 
+# bf16 cache at <= 16 heads: the fewest 32-token tiles a split covers (scripts/mla_short_sweep.py times the choice)
+NARROW_SPLIT_TILES = 4
+
+
 def default_config(kv_cache: torch.Tensor, heads: int) -> MLADecodeConfig:
     """The launch config when the caller gives none: FP8_CONFIG for an FP8 cache at <= 16 heads,
-    WIDE_CONFIG for a bf16 cache at more, else MLADecodeConfig()."""
+    WIDE_CONFIG for a bf16 cache at more, else MLADecodeConfig(min_split_tiles=NARROW_SPLIT_TILES)."""
     fp8 = kv_cache.dtype == torch.uint8
     if fp8 and heads <= 16:
         return FP8_CONFIG
-    return WIDE_CONFIG if not fp8 and heads > 16 else MLADecodeConfig()
+    if not fp8 and heads > 16:
+        return WIDE_CONFIG
+    return MLADecodeConfig(min_split_tiles=NARROW_SPLIT_TILES)
 
 
 def _launch_plan(q_nope, kv_cache, max_seq_len, config: MLADecodeConfig, block_table):
