@@ -31,6 +31,7 @@ import click
 
 from dsquant.runtime.engine.timing import sync as _sync
 from dsquant.bench.engine_peer import hf_peer
+from dsquant.bench.engine_tp import format_tp_table
 from dsquant.cli_options import check_device, kv_cache_dtype_option
 
 
@@ -58,6 +59,7 @@ class EngineBenchSpec:
     modes: tuple[str, ...] = ("sync", "async")  # engine stepping measured: "sync" and/or "async" scheduling
     config: dict = field(default_factory=dict)  # overrides of V2_LITE (tiny shapes for CPU tests)
     kv_cache_dtype: str = "auto"  # "fp8": the FlashMLA-layout FP8 KV cache
+    tensor_parallel_sizes: tuple[int, ...] = (1,)  # each scheme at each size (rows "<scheme>-tp<N>" past 1)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -79,38 +81,42 @@ def run_requests(engine, prompts: list[list[int]], output_len: int) -> dict:
             "tpot_ms": 1e3 * statistics.median(gaps) if gaps else None, "peak_kv_blocks": run.peak_kv_blocks}
 
 
-def build_engine(scheme: str, spec: EngineBenchSpec, workdir: Path, max_model_len: int):
-    """(engine, reader, load seconds) for `scheme` on the random model."""
-    from dsquant.bench.random_model import V2_LITE, RandomCheckpointReader, make_config_dir
+def build_engine(scheme: str, spec: EngineBenchSpec, workdir: Path, max_model_len: int, tp: int = 1):
+    """(engine, reader, load seconds) for `scheme` on the random model, over `tp` tensor-parallel ranks
+    (each makes its shard of the same random draws on its own device); the reader returned is a CPU
+    one for the model's layout (nothing drawn)."""
+    from dsquant.bench.random_model import V2_LITE, RandomReaderSpec, make_config_dir
     from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 
     overrides = dict(spec.config)
     if spec.num_layers:
         overrides["num_hidden_layers"] = spec.num_layers
     path = make_config_dir(workdir / scheme, V2_LITE, scheme, **overrides)
-    reader = RandomCheckpointReader(path, device=spec.device, seed=spec.seed)
+    reader_factory = RandomReaderSpec(path, seed=spec.seed)
     start = time.perf_counter()
     engine = LLMEngine(path, EngineConfig(
         device=spec.device, max_num_seqs=max(spec.concurrency, max(spec.serve_concurrencies, default=1),
                                              spec.long_streams + 1 if spec.long_context else 1),
         max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=spec.gpu_memory_utilization, verify_checksums=False,
-        kv_cache_memory=1 << 30, kv_cache_dtype=spec.kv_cache_dtype), reader=reader)
+        kv_cache_memory=1 << 30, kv_cache_dtype=spec.kv_cache_dtype, tensor_parallel_size=tp),
+        reader_factory=reader_factory)
     _sync(spec.device)
-    return engine, reader, time.perf_counter() - start
+    return engine, reader_factory("cpu"), time.perf_counter() - start
 
 
-def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit) -> None:
+def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit, tp: int = 1) -> None:
     import torch
 
+    from dsquant.bench.engine_tp import allreduce_per_token
     from dsquant.bench.random_model import bytes_per_decode_token
 
     long_len = spec.long_context if scheme == spec.long_scheme else 0
     max_len = max(spec.input_len + max(spec.concurrent_output, spec.batch1_output, spec.serve_output) + 8,
                   long_len + 16)
-    engine, reader, load_s = build_engine(scheme, spec, workdir, max_len)
+    engine, reader, load_s = build_engine(scheme, spec, workdir / f"tp{tp}", max_len, tp)
     vocab = min(engine.model.config.vocab_size, 32000)
-    row = {"scheme": scheme, "load_s": load_s, "linear_methods": engine.model.linear_methods,
+    row = {"scheme": scheme if tp == 1 else f"{scheme}-tp{tp}", "tensor_parallel_size": tp, "load_s": load_s, "linear_methods": engine.model.linear_methods,
            "kv_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
            "kv_bytes_per_block": engine.runner.bytes_per_block(), "kv_cache_dtype": engine.runner.kv_spec.label}
     if spec.device.startswith("cuda"):
@@ -122,9 +128,13 @@ def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit) -> Non
         run_requests(engine, _prompts(2, spec.input_len, vocab, 99), 8)  # warm-up: compiles, allocator
         b1 = run_requests(engine, _prompts(1, spec.input_len, vocab, spec.seed), spec.batch1_output)
         decode_tok_s = 1e3 / b1["tpot_ms"]
+        bandwidth = spec.bandwidth_tbs * 1e12 * tp  # each rank reads its shard
         row["batch1" + suffix] = {**b1, "decode_tok_s": decode_tok_s, "roofline_bytes": roof,
-                                  "roofline_tok_s": spec.bandwidth_tbs * 1e12 / roof["total"],
-                                  "fraction_of_roofline": decode_tok_s * roof["total"] / (spec.bandwidth_tbs * 1e12)}
+                                  "roofline_tok_s": bandwidth / roof["total"],
+                                  "fraction_of_roofline": decode_tok_s * roof["total"] / bandwidth}
+        if tp > 1:
+            row["allreduce" + suffix] = allreduce_per_token(engine, _prompts(1, spec.input_len, vocab, spec.seed + 5),
+                                                            run_requests)
         emit(row)
         if spec.concurrency:
             # warm-up at the same concurrency on other prompts: the mixed prefill + decode steps reach
@@ -193,8 +203,9 @@ def run_engine_bench(spec: EngineBenchSpec, json_path: str | None) -> dict:
         result["peer"] = hf_peer(spec)
         emit()
     with tempfile.TemporaryDirectory() as tmp:
-        for scheme in spec.schemes:
-            bench_scheme(scheme, spec, Path(tmp), emit)
+        for tp in spec.tensor_parallel_sizes:
+            for scheme in spec.schemes:
+                bench_scheme(scheme, spec, Path(tmp), emit, tp)
     return result
 
 
@@ -250,10 +261,13 @@ def _ints(text: str) -> tuple[int, ...]:
               help="cuda, or cpu for the tiny test configs (--config-json).")
 @click.option("--config-json", default=None, help="JSON object overriding V2-Lite's config (tiny test models).")
 @click.option("--json", "json_path", default=None, help="Write results here (updated as they come).")
+@click.option("-tp", "--tensor-parallel-size", "tp_sizes", default="1", show_default=True,
+              help="Comma list: every scheme at each size (e.g. 1,2: TP=2 against TP=1 on the same model, "
+                   "with the all-reduce time per token); one process per GPU, gloo processes on CPU.")
 @kv_cache_dtype_option()
 def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_output, long_context, long_streams,
            long_thresholds, max_num_batched_tokens, serve_conc,
-           peer_batches, modes, device, config_json, json_path, kv_cache_dtype):
+           peer_batches, modes, device, config_json, json_path, tp_sizes, kv_cache_dtype):
     """Engine decode and throughput on a V2-Lite-shaped random model, BF16/FP8/INT4, beside transformers."""
     from dsquant.bench.random_model import SCHEMES
 
@@ -264,6 +278,9 @@ def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_ou
     mode_names = tuple(m.strip() for m in modes.split(",") if m.strip())
     if not mode_names or any(m not in ("sync", "async") for m in mode_names):
         raise click.BadParameter(f"{modes!r}: expected sync and/or async", param_hint="--modes")
+    sizes = _ints(tp_sizes)
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter(f"{tp_sizes!r}: expected a comma list of sizes >= 1", param_hint="--tensor-parallel-size")
     spec = EngineBenchSpec(schemes=names, num_layers=layers, input_len=input_len, batch1_output=batch1_output,
                            concurrency=concurrency, concurrent_output=concurrent_output, long_context=long_context,
                            long_scheme="int4" if "int4" in names else names[0], long_streams=long_streams,
@@ -271,6 +288,10 @@ def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_ou
                            max_num_batched_tokens=max_num_batched_tokens,
                            serve_concurrencies=_ints(serve_conc), peer_batches=_ints(peer_batches),
                            modes=mode_names, device=device,
-                           config=json.loads(config_json) if config_json else {}, kv_cache_dtype=kv_cache_dtype)
+                           config=json.loads(config_json) if config_json else {}, kv_cache_dtype=kv_cache_dtype,
+                           tensor_parallel_sizes=sizes)
     result = run_engine_bench(spec, json_path)
     click.echo(format_table(result))
+    tp_table = format_tp_table(result)
+    if tp_table:
+        click.echo("\n" + tp_table)

@@ -20,7 +20,7 @@ import json
 import math
 import shutil
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -132,6 +132,20 @@ def _checkpoint_layout(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torc
         return torch.bfloat16 if dtype == torch.float32 and not name.endswith("correction_bias") else dtype
 
     return {n: (tuple(p.shape), stored(n, p.dtype)) for n, p in model.named_parameters()}
+
+
+@dataclass(frozen=True)
+class RandomReaderSpec:
+    """Picklable recipe of a RandomCheckpointReader: each tensor-parallel rank makes its own on its
+    device (LLMEngine's reader_factory), with the same seeded draws, so every rank's shard is a slice
+    of the same model."""
+
+    model_dir: Path
+    seed: int = 0
+    std: float = 0.02
+
+    def __call__(self, device: str | torch.device) -> "RandomCheckpointReader":
+        return RandomCheckpointReader(self.model_dir, device=device, seed=self.seed, std=self.std)
 
 
 class RandomCheckpointReader:

@@ -53,3 +53,30 @@ def test_bench_engine_long_prompt_beside_short_streams(tmp_path):
     # every chunk capped at 4 (the streams' 16-token prompts too): 10 steps of long prefill, the last 6
     # of them beside the streams' decodes, so at least 5 gaps per stream end before its first token
     assert capped["during_prefill"]["gaps"] >= 2 * 5 > beside["during_prefill"]["gaps"]
+
+
+def test_bench_engine_tensor_parallel_against_tp1(tmp_path):
+    """--tensor-parallel-size 1,2 on CPU (gloo): every rank makes its shard of the random model on its
+    own (RandomReaderSpec), both sizes are measured, and the TP=2 row carries the all-reduce time of a
+    batch-1 request (two per decoder layer and token, plus the embedding's) and its comparison table.
+    (That the shards are slices of the TP=1 model: test_tensor_parallel_random_reader_equals_tp1.)"""
+    out = tmp_path / "engine.json"
+    res = CliRunner().invoke(engine, ARGS + ["--schemes", "bf16,fp8", "--modes", "sync",
+                                             "--tensor-parallel-size", "1,2", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["schemes"]
+    for scheme in ("bf16", "fp8"):
+        one, two = rows[scheme], rows[f"{scheme}-tp2"]
+        assert one["tensor_parallel_size"] == 1 and two["tensor_parallel_size"] == 2
+        assert two["batch1"]["output_tokens"] == 6 and two["concurrent"]["output_tokens"] == 15
+        ar = two["allreduce"]
+        assert ar["output_tokens"] == 32 and ar["allreduce_ms_per_token"] > 0 and 0 < ar["allreduce_share"] < 1
+        # 2 layers x (attention + MLP) + the vocab-parallel embedding, per step (one token per step)
+        assert ar["calls_per_token"] >= 5
+        assert "allreduce" not in one
+    assert "| bf16-tp2 | sync |" in res.output and "| fp8-tp2 | sync |" in res.output
+
+
+def test_bench_engine_refuses_a_bad_tensor_parallel_size():
+    res = CliRunner().invoke(engine, ARGS + ["--tensor-parallel-size", "0"])
+    assert res.exit_code != 0 and "--tensor-parallel-size" in res.output

@@ -188,7 +188,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def greedy_with_logits(path, tp: int, monkeypatch):
+def greedy_with_logits(path, tp: int, monkeypatch, reader_factory=None):
     """Greedy tokens per prompt and every step's sampled logits [S, vocab] (rank 0's, gathered)."""
     from dsquant.runtime.engine import model_runner
     from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
@@ -197,7 +197,7 @@ def greedy_with_logits(path, tp: int, monkeypatch):
     steps, sample = [], model_runner.sample
     monkeypatch.setattr(model_runner, "sample", lambda logits, t, g, p=None: (steps.append(logits.clone()), sample(logits, t, g, p))[1])
     engine = LLMEngine(path, EngineConfig(device="cpu", dtype=torch.float32, tensor_parallel_size=tp,
-                                          max_num_seqs=4, max_model_len=128))
+                                          max_num_seqs=4, max_model_len=128), reader_factory=reader_factory)
     try:
         order = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for p in PROMPTS]
         tokens = {}
@@ -225,6 +225,29 @@ def test_tp2_gives_the_logits_and_greedy_tokens_of_tp1(model, scheme, artifacts,
     MEASURED[model, scheme] = diff
     print(f"\n{model} {scheme}: max |logit TP=2 - TP=1| = {diff:.3g}")
     assert diff <= TOLERANCE[scheme]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_tensor_parallel_random_reader_equals_tp1(scheme, tmp_path, one_thread, monkeypatch):
+    """A random-weight model (bench.random_model) served at TP=2 through a reader_factory: every
+    rank draws the same tensors on its own and keeps its slice, so logits and greedy tokens equal
+    TP=1's (how bench engine measures models that exist only as random draws, e.g. DeepSeek-V2's
+    236B shape, which fits no single GPU)."""
+    from dsquant.bench.random_model import V2_LITE, RandomReaderSpec, make_config_dir
+
+    tiny = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8,
+                num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=32, qk_rope_head_dim=16,
+                qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=4096, rope_scaling=None)
+    path = make_config_dir(tmp_path / scheme, V2_LITE, scheme, **tiny)
+    factory = RandomReaderSpec(path, seed=3, std=0.05)
+    tokens1, logits1 = greedy_with_logits(path, 1, monkeypatch, factory)
+    tokens2, logits2 = greedy_with_logits(path, 2, monkeypatch, factory)
+    assert tokens2 == tokens1 and len(logits2) == len(logits1)
+    diff = max((a - b).abs().max().item() for a, b in zip(logits1, logits2))
+    scale = max(a.abs().max().item() for a in logits1)
+    assert diff <= 1e-3 * scale, (diff, scale)
 
 
 @pytest.mark.slow

@@ -53,21 +53,28 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, reader=None):
-        """`reader`: a CheckpointReader stand-in for `model_path`'s weights (bench.random_model)."""
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, reader=None,
+                 reader_factory=None):
+        """`reader`: a CheckpointReader stand-in for `model_path`'s weights (bench.random_model);
+        `reader_factory`: a picklable (device) -> such a reader, called on every tensor-parallel rank
+        (and on this process at tensor_parallel_size 1)."""
         c = config or EngineConfig()
         self.config = c = replace(c, kv_cache_dtype=check_kv_cache_dtype(c.kv_cache_dtype))
         self.path = Path(model_path)
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.workers = None  # runtime.parallel.launch.Workers when tensor_parallel_size > 1
+        if reader is not None and reader_factory is not None:
+            raise DsquantError("LLMEngine: give a stand-in reader or a reader_factory, not both")
         if c.tensor_parallel_size > 1:
             if reader is not None:
                 raise DsquantError("--tensor-parallel-size: workers read the checkpoint themselves; "
-                                   "a stand-in reader needs tensor_parallel_size 1")
+                                   "a stand-in reader needs tensor_parallel_size 1 (pass reader_factory)")
             from dsquant.runtime.parallel.launch import start_tensor_parallel
 
-            self.workers, self.runner = start_tensor_parallel(self.path, c, device)
+            self.workers, self.runner = start_tensor_parallel(self.path, c, device, reader_factory)
         else:
+            if reader_factory is not None:
+                reader = reader_factory(device)
             self.runner = build_runner(self.path, c, device, reader=reader)
         self.model = self.runner.model
         cfg = self.model.config

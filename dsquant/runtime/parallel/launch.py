@@ -105,8 +105,11 @@ def _send_stop(state: ParallelState) -> bool:
     return work.wait(timeout=timedelta(seconds=10))
 
 
-def start_tensor_parallel(path: Path, config, device: torch.device) -> tuple[Workers, DriverRunner]:
-    """Validate the split, spawn the workers, load rank 0's shard; return (workers, rank 0's runner)."""
+def start_tensor_parallel(path: Path, config, device: torch.device,
+                          reader_factory=None) -> tuple[Workers, DriverRunner]:
+    """Validate the split, spawn the workers, load rank 0's shard; return (workers, rank 0's runner).
+    reader_factory: a picklable (device) -> reader that every rank calls for its own stand-in of the
+    checkpoint's tensors (random weights made on its GPU), instead of reading `path`'s files."""
     from dsquant.runtime.model_builder import build_runner
 
     size = config.tensor_parallel_size
@@ -114,7 +117,8 @@ def start_tensor_parallel(path: Path, config, device: torch.device) -> tuple[Wor
     if device.type == "cuda":
         device = torch.device("cuda", 0)
     threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
-    spec = WorkerSpec(Path(path), config, device.type, size, f"tcp://127.0.0.1:{_free_port()}", threads)
+    spec = WorkerSpec(Path(path), config, device.type, size, f"tcp://127.0.0.1:{_free_port()}", threads,
+                      reader_factory)
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     processes = [ctx.Process(target=worker_main, args=(rank, spec, ready), daemon=True,
@@ -126,6 +130,7 @@ def start_tensor_parallel(path: Path, config, device: torch.device) -> tuple[Wor
         state = init_parallel(0, size, spec.init_method, device)
         workers.joined(state)
         runner = build_runner(Path(path), config, device, parallel=state,
+                              reader=reader_factory(device) if reader_factory is not None else None,
                               runner_cls=partial(DriverRunner, parallel=state))
         workers.wait_ready()
     except BaseException:

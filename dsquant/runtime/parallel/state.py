@@ -10,7 +10,8 @@ Every helper is a no-op at world size 1.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -23,11 +24,29 @@ IDLE_TIMEOUT = timedelta(days=30)  # workers waiting for the next step
 
 
 @dataclass
+class CommTimes:
+    """Time this rank spends in the data group's all-reduces while it is attached to a ParallelState
+    (`state.comm_times`). Rank 0's figure includes waiting for the slowest rank: it is what a step
+    loses to the collectives. On CUDA each call is bracketed by two events (read by `total_s`,
+    which synchronizes); on CPU gloo's all-reduce returns when done, so the host clock times it."""
+
+    calls: int = 0
+    host_s: float = 0.0
+    events: list = field(default_factory=list)  # CUDA: [(start, end)] torch.cuda.Event pairs
+
+    def total_s(self) -> float:
+        if self.events:
+            torch.cuda.synchronize()
+        return self.host_s + sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+
+
+@dataclass
 class ParallelState:
     rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     control: object = None  # the gloo group for commands; None at world size 1
+    comm_times: CommTimes | None = None  # set to time the all-reduces (bench engine); eager steps only
 
     @property
     def backend(self) -> str:
@@ -57,6 +76,24 @@ def all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Sum x over ranks, in place (gloo reduces 16-bit floats in float32); returns x."""
     if state.world_size == 1:
         return x
+    timer = state.comm_times
+    if timer is None:
+        return _all_reduce_sum(x, state)
+    timer.calls += 1
+    if x.is_cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _all_reduce_sum(x, state)
+        end.record()
+        timer.events.append((start, end))
+        return x
+    t0 = time.perf_counter()
+    _all_reduce_sum(x, state)
+    timer.host_s += time.perf_counter() - t0
+    return x
+
+
+def _all_reduce_sum(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     if state.backend == "gloo" and x.dtype in (torch.bfloat16, torch.float16):
         wide = x.float()
         dist.all_reduce(wide)

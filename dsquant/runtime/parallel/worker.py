@@ -97,6 +97,7 @@ class WorkerSpec:
     world_size: int
     init_method: str
     num_threads: int
+    reader_factory: object = None  # picklable (device) -> CheckpointReader stand-in, e.g. bench.random_model.RandomReaderSpec
 
 
 @torch.inference_mode()
@@ -126,7 +127,8 @@ def worker_main(rank: int, spec: WorkerSpec, ready) -> None:
         device = torch.device(spec.device_type, rank) if spec.device_type == "cuda" else torch.device("cpu")
         state = init_parallel(rank, spec.world_size, spec.init_method, device)
         config = replace(spec.config, verify_checksums=False)  # rank 0 checked the shards
-        runner = build_runner(spec.path, config, device, parallel=state)
+        reader = spec.reader_factory(device) if spec.reader_factory is not None else None
+        runner = build_runner(spec.path, config, device, reader=reader, parallel=state)
     except BaseException:
         ready.put((rank, traceback.format_exc()))
         raise SystemExit(1)
