@@ -57,7 +57,8 @@ class EngineBenchSpec:
     device: str = "cuda"
     seed: int = 0
     modes: tuple[str, ...] = ("sync", "async")  # engine stepping measured: "sync" and/or "async" scheduling
-    config: dict = field(default_factory=dict)  # overrides of V2_LITE (tiny shapes for CPU tests)
+    model: str = "v2-lite"  # the random model's shape: a key of bench.random_model.SHAPES
+    config: dict = field(default_factory=dict)  # overrides of that shape (tiny shapes for CPU tests)
     kv_cache_dtype: str = "auto"  # "fp8": the FlashMLA-layout FP8 KV cache
     tensor_parallel_sizes: tuple[int, ...] = (1,)  # each scheme at each size (rows "<scheme>-tp<N>" past 1)
 
@@ -85,13 +86,13 @@ def build_engine(scheme: str, spec: EngineBenchSpec, workdir: Path, max_model_le
     """(engine, reader, load seconds) for `scheme` on the random model, over `tp` tensor-parallel ranks
     (each makes its shard of the same random draws on its own device); the reader returned is a CPU
     one for the model's layout (nothing drawn)."""
-    from dsquant.bench.random_model import V2_LITE, RandomReaderSpec, make_config_dir
+    from dsquant.bench.random_model import SHAPES, RandomReaderSpec, make_config_dir
     from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 
     overrides = dict(spec.config)
     if spec.num_layers:
         overrides["num_hidden_layers"] = spec.num_layers
-    path = make_config_dir(workdir / scheme, V2_LITE, scheme, **overrides)
+    path = make_config_dir(workdir / scheme, SHAPES[spec.model], scheme, **overrides)
     reader_factory = RandomReaderSpec(path, seed=spec.seed)
     start = time.perf_counter()
     engine = LLMEngine(path, EngineConfig(
@@ -236,7 +237,10 @@ def _ints(text: str) -> tuple[int, ...]:
 
 @click.command(name="engine", short_help="Engine decode and throughput on a random V2-Lite-shaped model.")
 @click.option("--schemes", default="int4,bf16,fp8", show_default=True, help="Comma list of bf16, fp8, int4.")
-@click.option("--layers", type=int, default=None, help="Decoder layers (default: V2-Lite's 27).")
+@click.option("--model", "model_shape", default="v2-lite", show_default=True, type=click.Choice(["v2-lite", "v2", "v3"]),
+              help="The random model's shape: DeepSeek-V2-Lite (15.7B), V2 (236B) or V3 (671B); the two large "
+                   "ones need --tensor-parallel-size across GPUs for most schemes.")
+@click.option("--layers", type=int, default=None, help="Decoder layers (default: the model's).")
 @click.option("--input-len", type=int, default=512, show_default=True, help="Prompt tokens.")
 @click.option("--batch1-output", type=int, default=128, show_default=True,
               help="Tokens generated in the batch-1 decode run.")
@@ -265,7 +269,7 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Comma list: every scheme at each size (e.g. 1,2: TP=2 against TP=1 on the same model, "
                    "with the all-reduce time per token); one process per GPU, gloo processes on CPU.")
 @kv_cache_dtype_option()
-def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_output, long_context, long_streams,
+def engine(schemes, model_shape, layers, input_len, batch1_output, concurrency, concurrent_output, long_context, long_streams,
            long_thresholds, max_num_batched_tokens, serve_conc,
            peer_batches, modes, device, config_json, json_path, tp_sizes, kv_cache_dtype):
     """Engine decode and throughput on a V2-Lite-shaped random model, BF16/FP8/INT4, beside transformers."""
@@ -281,7 +285,7 @@ def engine(schemes, layers, input_len, batch1_output, concurrency, concurrent_ou
     sizes = _ints(tp_sizes)
     if not sizes or min(sizes) < 1:
         raise click.BadParameter(f"{tp_sizes!r}: expected a comma list of sizes >= 1", param_hint="--tensor-parallel-size")
-    spec = EngineBenchSpec(schemes=names, num_layers=layers, input_len=input_len, batch1_output=batch1_output,
+    spec = EngineBenchSpec(schemes=names, model=model_shape, num_layers=layers, input_len=input_len, batch1_output=batch1_output,
                            concurrency=concurrency, concurrent_output=concurrent_output, long_context=long_context,
                            long_scheme="int4" if "int4" in names else names[0], long_streams=long_streams,
                            long_prefill_thresholds=_ints(long_thresholds) or (0,),

@@ -13,9 +13,9 @@ def hf_peer(spec) -> list[dict]:
     import torch
     import transformers
 
-    from dsquant.bench.random_model import V2_LITE
+    from dsquant.bench.random_model import SHAPES
 
-    cfg_dict = {**V2_LITE, **spec.config}
+    cfg_dict = {**SHAPES[spec.model], **spec.config}
     if spec.num_layers:
         cfg_dict["num_hidden_layers"] = spec.num_layers
     cfg_dict.pop("architectures", None)

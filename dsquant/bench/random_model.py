@@ -45,6 +45,14 @@ V2_LITE: dict = dict(
                   "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
     bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16")
 
+# DeepSeek-V2's config.json (60 layers, 236B parameters, 160 routed experts top-6 in 8 groups of which 3 are
+# searched, 2 shared, MLA with q LoRA, 128 heads); Coder-V2 (236B) has the same shapes. INT4 g128 is about
+# 118 GB of weights: it fits no single GPU, so it is served at tensor_parallel_size >= 2.
+V2: dict = dict(
+    V2_LITE, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=60,
+    num_attention_heads=128, num_key_value_heads=128, n_routed_experts=160, routed_scaling_factor=16.0,
+    q_lora_rank=1536, topk_method="group_limited_greedy", n_group=8, topk_group=3)
+
 # DeepSeek-V3's config.json (61 layers, 671B parameters, 256 routed experts top-8 in 8 groups, 1 shared,
 # MLA with q LoRA); R1 has the same shapes. The calibration plan (scripts/calib_plan.py) times one layer.
 V3: dict = dict(
@@ -57,6 +65,7 @@ V3: dict = dict(
                   "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
     bos_token_id=0, eos_token_id=1)
 
+SHAPES = {"v2-lite": V2_LITE, "v2": V2, "v3": V3}  # bench engine --model
 SCHEMES = ("bf16", "fp8", "int4")
 INT4_GROUP = 128
 # the schemes' quantization_config: DeepSeek-V3's FP8 (no modules_to_not_convert), AutoAWQ's (null)

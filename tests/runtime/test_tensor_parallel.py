@@ -317,3 +317,21 @@ def test_cli_refuses_a_size_that_does_not_divide_the_heads(command, capsys):
         main(args)
     assert exit_info.value.code == 2
     assert "error: --tensor-parallel-size 3 does not divide num_attention_heads 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,params_b,int4_gb", [("v2", 235.7, 124.1), ("v3", 671.0, 352.0)])
+def test_large_random_shapes_are_deepseeks_and_split_over_two_ranks(name, params_b, int4_gb, tmp_path):
+    """bench engine --model v2 / v3: the random models have DeepSeek-V2's 236B and V3's 671B
+    parameters (the meta layout, nothing drawn), INT4 g128 weights that fit no single 141 GB GPU
+    for V3 (and not an 80 GB one for V2), and tensor parallelism accepts two ranks for both."""
+    import math
+
+    from dsquant.bench.random_model import SHAPES, RandomReaderSpec, make_config_dir
+    from dsquant.config import load_config
+    from dsquant.runtime.parallel.model import check_tensor_parallel
+
+    bf16 = RandomReaderSpec(make_config_dir(tmp_path / "bf16", SHAPES[name], "bf16"))("cpu")
+    assert sum(math.prod(s) for s, _ in bf16.layout.values()) / 1e9 == pytest.approx(params_b, rel=0.01)
+    int4_dir = make_config_dir(tmp_path / "int4", SHAPES[name], "int4")
+    assert RandomReaderSpec(int4_dir)("cpu").total_bytes() / 1e9 == pytest.approx(int4_gb, rel=0.02)
+    check_tensor_parallel(load_config(int4_dir), 2, torch.device("cpu"))
