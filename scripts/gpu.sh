@@ -17,7 +17,7 @@
 #               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), mlashort (short contexts:
 #               how finely to split, scripts/mla_short_sweep.py), prefill (GQA prefill
 #               configs against SDPA: scripts/prefill_sweep.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
-#   engine:     engine, engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
+#   engine:     engine, tpbench / tpv2 (tensor parallelism: V2-Lite at TP_SIZES, V2-236B INT4; several GPUs), engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
 #               prompt; long32: 32768), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
 #               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split)
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
@@ -131,6 +131,12 @@ from dsquant.cli import main
 sys.argv = ['dsquant', 'bench', 'engine', *'${ENGINE_ARGS:---schemes fp8,bf16 --modes async}'.split(),
             '--peer-batches', '', '--json', '$OUT/engineon${TAG:-}.json']
 main()" > "$OUT/engineon${TAG:-}.txt" 2>&1 ;;  # engine with fused_moe's decode rules at PAIR_N, FUSE_N (default RULES_N) and MLA_TILES (mla_decode.NARROW_SPLIT_TILES); A/B against engine
+    tpbench) NCCL_NVLS_ENABLE=0 timeout "${TP_S:-500}" python3 -m dsquant bench engine --schemes "${TP_SCHEMES:-int4,bf16,fp8}" \
+            --tensor-parallel-size "${TP_SIZES:-1,2}" --modes async --peer-batches "" --json "$OUT/tpbench.json" \
+            > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (needs N GPUs)
+    tpv2) NCCL_NVLS_ENABLE=0 timeout "${TP_S:-550}" python3 -m dsquant bench engine --model "${TP_MODEL:-v2}" --schemes int4 \
+            --tensor-parallel-size "${TP_SIZES:-2}" --modes async --peer-batches "" --json "$OUT/tpv2.json" \
+            > "$OUT/tpv2.txt" 2>&1 ;;  # issue 26: DeepSeek-V2's 236B shape in INT4 across GPUs (random weights)
     enginefull) timeout "${ENGINE_S:-420}" python3 -m dsquant bench engine --schemes "${SCHEMES:-int4,fp8,bf16}" \
             --serve 1,8,32,64 --peer-batches "${PEER:-1,16}" --json "$OUT/enginefull.json" > "$OUT/enginefull.txt" 2>&1 ;;
     serve) timeout "${SERVE_S:-400}" python3 -m dsquant bench engine --schemes ${SERVE_SCHEMES:-fp8} --modes async \
@@ -172,7 +178,7 @@ main()" > "$OUT/engineon${TAG:-}.txt" 2>&1 ;;  # engine with fused_moe's decode 
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/gpukernels.txt "$OUT"/gpurest.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
-for f in mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+for f in mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill tpbench tpv2; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
 # what comes back is limited in files: everything in one archive (steps.txt beside it)
