@@ -64,6 +64,32 @@ def test_incremental_detokenization_equals_full_decode_and_cuts_at_stop_strings(
     assert "".join(pieces) == d.text
 
 
+def test_detokenizer_writes_out_tokens_that_never_form_text():
+    """A model that emits tokens which never complete a character (a lone UTF-8 continuation byte
+    repeated, ids past the tokenizer's vocabulary) gets them written out lossily every few tokens,
+    so no step re-decodes an ever longer tail (it did: 290 us a token after 2000 such tokens), and
+    the valid text around them comes through intact."""
+    from dsquant.runtime.engine.detokenizer import MAX_STALLED
+
+    tok = Tokenizer.from_file(str(tokenizer_path() / "tokenizer.json"))
+    lone = tok.token_to_id("Ã")  # byte 0xC3 on its own: starts a character that never ends
+    oov = tok.get_vocab_size() + 1000
+    before, after = tok.encode("Hello wörld", add_special_tokens=False).ids, tok.encode(" 日本 ok",
+                                                                                      add_special_tokens=False).ids
+    for junk in ([lone] * 300, [oov] * 300, [lone, oov] * 150):
+        d = IncrementalDetokenizer(tok)
+        for t in before + junk + after:
+            d.add([t])
+            assert len(d.stalled) < MAX_STALLED  # the stream never holds more than a few pending tokens
+        assert d.text.startswith("Hello wörld") and d.text.endswith(" 日本 ok")
+        if lone in junk:  # invalid bytes come out as U+FFFD, as tokenizer.decode writes them
+            assert d.text.count("\ufffd") >= 150
+    # a valid character right after junk is not lost to the write-out
+    d = IncrementalDetokenizer(tok)
+    emoji = tok.encode("é", add_special_tokens=False).ids
+    assert "".join(d.add([t]) for t in [lone] * (MAX_STALLED - 1) + emoji).endswith("é")
+
+
 def test_block_manager_refcounts_hash_chain_and_eviction():
     bm = BlockManager(num_blocks=6, block_size=2)
     a = Sequence(0, "a", [1, 2, 3, 4, 5], SamplingParams())
