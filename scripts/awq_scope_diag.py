@@ -4,12 +4,17 @@ Each variant is awq-w4g128 with some module groups left at RTN g128 (or one AWQ 
 quantized on CPU and scored at test_accuracy_bundled's settings (calibration 32 x 512 at --seed,
 12288 evaluation tokens, window 512, stride 256). One JSON line per variant.
 
-    python scripts/awq_scope_diag.py [--seed 0] [VARIANT ...]     # default: all of VARIANTS
+    python scripts/awq_scope_diag.py [--seed 0] [--calib-source austen] [VARIANT ...]   # default: all of VARIANTS
+
+--calib-source keeps only the bundled calibration documents of that source (python-docs, cpython-3.11,
+world-english-bible, austen): whether a method's loss on one eval set is the calibration mix's domain.
+Variants "rtn" and "gptq" run the bundled rtn-w4g128 / gptq-w4g128 recipes beside the AWQ ones.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import sys
 import tempfile
 import time
@@ -41,6 +46,20 @@ VARIANTS = {  # name -> (module patterns left at RTN, clip, extra AWQ options)
 }
 
 
+BUNDLED = {"rtn": "rtn-w4g128", "gptq": "gptq-w4g128"}
+
+
+def calib_subset(source: str, out: Path) -> Path:
+    """The bundled calibration documents whose source starts with `source`, as JSON lines of text."""
+    data = Path(__file__).resolve().parents[1] / "dsquant" / "assets" / "data" / "calibration.jsonl.xz"
+    with lzma.open(data, "rt") as f:
+        docs = [d for d in map(json.loads, f) if d["source"].split(":")[-1].startswith(source)]
+    if not docs:
+        raise SystemExit(f"{data}: no calibration document of source {source!r}")
+    out.write_text("".join(json.dumps({"text": d["text"]}) + "\n" for d in docs))
+    return out
+
+
 def recipe_yaml(name: str) -> str:
     rtn, clip, extra = VARIANTS[name]
     rules = "".join(f'  - {{match: "{p}", scheme: rtn, bits: 4, group_size: 128}}\n' for p in rtn)
@@ -61,18 +80,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--calib-source", default=None, help="calibrate on this source's documents only")
     args = ap.parse_args()
     base = bundled_model_path("dsq-tiny-v3")
     tokenizer = load_tokenizer(base)
     with tempfile.TemporaryDirectory() as tmp:
+        calib = str(calib_subset(args.calib_source, Path(tmp) / "calib.jsonl")) if args.calib_source else None
         for name in args.variants:
             t0 = time.time()
-            path = Path(tmp) / f"{name}.yaml"
-            path.write_text(recipe_yaml(name))
-            report = run_quantize(QuantizeArgs(str(base), str(path), str(Path(tmp) / name), n_samples=32,
-                                               seqlen=512, seed=args.seed))
-            print(json.dumps({"variant": name, "seed": args.seed, **perplexities(report.out_dir, tokenizer),
-                              "s": round(time.time() - t0)}), flush=True)
+            if name in BUNDLED:
+                recipe = BUNDLED[name]
+            else:
+                recipe = Path(tmp) / f"{name}.yaml"
+                recipe.write_text(recipe_yaml(name))
+            report = run_quantize(QuantizeArgs(str(base), str(recipe), str(Path(tmp) / name), calib=calib,
+                                               n_samples=32, seqlen=512, seed=args.seed))
+            print(json.dumps({"variant": name, "seed": args.seed, "calib_source": args.calib_source,
+                              **perplexities(report.out_dir, tokenizer), "s": round(time.time() - t0)}), flush=True)
 
 
 if __name__ == "__main__":
