@@ -20,7 +20,7 @@ run moe_gemv's per-pair GEMVs (split-K by moe_gemv.default_split_k, counters res
 instead of the grouped MMA GEMMs. FP8 experts always take the grouped GEMMs (see _expert_gemvs).
 Up to ONE_BLOCK_PER_PAIR_MAX_TOKENS tokens on the grouped GEMMs run one block per pair, without the
 align launch (moe_align.one_block_per_pair); up to FP8_FUSE_QUANT_MAX_TOKENS, fp8 experts quantize
-the activations inside the GEMMs (off: slower on the H100, see below).
+the activations inside the GEMMs. Both are off (0) until measured on a GPU (see below).
 INT4 experts with prefill-sized batches (DEQUANT_MIN_PAIRS_PER_EXPERT) are dequantized once per call
 and run the bf16 grouped GEMMs (int4_dequant.py says why).
 """
@@ -47,8 +47,10 @@ DEQUANT_MAX_BYTES = 4 << 30
 # token's experts are distinct, so no weight is read twice). H100, V2-Lite layer, 8 layers' weights,
 # graph replays (scripts/moe_decode_probe.py): fp8 T = 1 36.9 vs 40.5 us, T = 2 53.3 vs 58.0; bf16
 # T = 1 53.8 vs 57.5, T = 2 87.8 vs 91.6; at T = 8 bf16 loses (222 vs 219) and at T = 64 both lose
-# 2.7x (each pair's block reads its expert's weights again).
-ONE_BLOCK_PER_PAIR_MAX_TOKENS = 2
+# 2.7x (each pair's block reads its expert's weights again). Those figures are an earlier try's (its JSON
+# was lost); the rule stays off (0: moe_align always, the landed behaviour) until a GPU run re-measures it
+# and the trained-model GPU test and demo pass with it on (gpu.sh moeq, PAIR_N=2 engineon, trained, demo).
+ONE_BLOCK_PER_PAIR_MAX_TOKENS = 0
 # fp8 experts quantize the activations inside the grouped GEMMs (A_QUANT) up to this many tokens:
 # off. On the H100 it lost everywhere: T = 1 103 vs 37 us, T = 8 288 vs 135, T = 64 471 vs 246, and
 # the FP8 engine at batch 1 ran 245 vs 409 tok/s; probably the per-step tile amax in the K loop costs more
