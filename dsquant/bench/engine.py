@@ -31,7 +31,7 @@ import click
 
 from dsquant.runtime.engine.timing import sync as _sync
 from dsquant.bench.engine_peer import hf_peer
-from dsquant.bench.engine_tp import format_tp_table
+from dsquant.bench.engine_tp import allreduce_per_token, format_tp_table
 from dsquant.cli_options import check_device, kv_cache_dtype_option
 
 
@@ -109,7 +109,6 @@ def build_engine(scheme: str, spec: EngineBenchSpec, workdir: Path, max_model_le
 def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit, tp: int = 1) -> None:
     import torch
 
-    from dsquant.bench.engine_tp import allreduce_per_token
     from dsquant.bench.random_model import bytes_per_decode_token
 
     long_len = spec.long_context if scheme == spec.long_scheme else 0
@@ -117,7 +116,8 @@ def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit, tp: in
                   long_len + 16)
     engine, reader, load_s = build_engine(scheme, spec, workdir / f"tp{tp}", max_len, tp)
     vocab = min(engine.model.config.vocab_size, 32000)
-    row = {"scheme": scheme if tp == 1 else f"{scheme}-tp{tp}", "tensor_parallel_size": tp, "load_s": load_s, "linear_methods": engine.model.linear_methods,
+    row = {"scheme": scheme if tp == 1 else f"{scheme}-tp{tp}", "tensor_parallel_size": tp, "load_s": load_s,
+           "linear_methods": engine.model.linear_methods,
            "kv_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
            "kv_bytes_per_block": engine.runner.bytes_per_block(), "kv_cache_dtype": engine.runner.kv_spec.label}
     if spec.device.startswith("cuda"):
@@ -237,7 +237,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 @click.command(name="engine", short_help="Engine decode and throughput on a random V2-Lite-shaped model.")
 @click.option("--schemes", default="int4,bf16,fp8", show_default=True, help="Comma list of bf16, fp8, int4.")
-@click.option("--model", "model_shape", default="v2-lite", show_default=True, type=click.Choice(["v2-lite", "v2", "v3"]),
+@click.option("--model", "model_shape", default="v2-lite", show_default=True,
+              type=click.Choice(["v2-lite", "v2", "v3"]),
               help="The random model's shape: DeepSeek-V2-Lite (15.7B), V2 (236B) or V3 (671B); the two large "
                    "ones need --tensor-parallel-size across GPUs for most schemes.")
 @click.option("--layers", type=int, default=None, help="Decoder layers (default: the model's).")
@@ -269,8 +270,8 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Comma list: every scheme at each size (e.g. 1,2: TP=2 against TP=1 on the same model, "
                    "with the all-reduce time per token); one process per GPU, gloo processes on CPU.")
 @kv_cache_dtype_option()
-def engine(schemes, model_shape, layers, input_len, batch1_output, concurrency, concurrent_output, long_context, long_streams,
-           long_thresholds, max_num_batched_tokens, serve_conc,
+def engine(schemes, model_shape, layers, input_len, batch1_output, concurrency, concurrent_output, long_context,
+           long_streams, long_thresholds, max_num_batched_tokens, serve_conc,
            peer_batches, modes, device, config_json, json_path, tp_sizes, kv_cache_dtype):
     """Engine decode and throughput on a V2-Lite-shaped random model, BF16/FP8/INT4, beside transformers."""
     from dsquant.bench.random_model import SCHEMES
@@ -284,8 +285,10 @@ def engine(schemes, model_shape, layers, input_len, batch1_output, concurrency, 
         raise click.BadParameter(f"{modes!r}: expected sync and/or async", param_hint="--modes")
     sizes = _ints(tp_sizes)
     if not sizes or min(sizes) < 1:
-        raise click.BadParameter(f"{tp_sizes!r}: expected a comma list of sizes >= 1", param_hint="--tensor-parallel-size")
-    spec = EngineBenchSpec(schemes=names, model=model_shape, num_layers=layers, input_len=input_len, batch1_output=batch1_output,
+        raise click.BadParameter(f"{tp_sizes!r}: expected a comma list of sizes >= 1",
+                                 param_hint="--tensor-parallel-size")
+    spec = EngineBenchSpec(schemes=names, model=model_shape, num_layers=layers, input_len=input_len,
+                           batch1_output=batch1_output,
                            concurrency=concurrency, concurrent_output=concurrent_output, long_context=long_context,
                            long_scheme="int4" if "int4" in names else names[0], long_streams=long_streams,
                            long_prefill_thresholds=_ints(long_thresholds) or (0,),

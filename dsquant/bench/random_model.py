@@ -46,8 +46,8 @@ V2_LITE: dict = dict(
     bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16")
 
 # DeepSeek-V2's config.json (60 layers, 236B parameters, 160 routed experts top-6 in 8 groups of which 3 are
-# searched, 2 shared, MLA with q LoRA, 128 heads); Coder-V2 (236B) has the same shapes. INT4 g128 is about
-# 118 GB of weights: it fits no single GPU, so it is served at tensor_parallel_size >= 2.
+# searched, 2 shared, MLA with q LoRA, 128 heads); Coder-V2 (236B) has the same shapes. INT4 g128 is 124.1 GB
+# of checkpoint tensors (bf16 embedding, lm_head, norms, routers included): it is served at tensor_parallel_size >= 2.
 V2: dict = dict(
     V2_LITE, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=60,
     num_attention_heads=128, num_key_value_heads=128, n_routed_experts=160, routed_scaling_factor=16.0,

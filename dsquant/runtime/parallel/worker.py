@@ -97,7 +97,7 @@ class WorkerSpec:
     world_size: int
     init_method: str
     num_threads: int
-    reader_factory: object = None  # picklable (device) -> CheckpointReader stand-in, e.g. bench.random_model.RandomReaderSpec
+    reader_factory: object = None  # picklable (device) -> reader stand-in (bench.random_model.RandomReaderSpec)
 
 
 @torch.inference_mode()
