@@ -17,7 +17,7 @@
 #               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), mlashort (short contexts:
 #               how finely to split, scripts/mla_short_sweep.py), prefill (GQA prefill
 #               configs against SDPA: scripts/prefill_sweep.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
-#   engine:     engine, tpbench / tpv2 (tensor parallelism: V2-Lite at TP_SIZES, V2-236B INT4; several GPUs), engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
+#   engine:     engine, tpbench / tpv2 (tensor parallelism: V2-Lite at TP_SIZES, V2-236B INT4; several GPUs), engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES / MLA_SMALL_TILES), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
 #               prompt; long32: 32768), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
 #               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split)
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
@@ -39,7 +39,9 @@ done
 export PYTHONPATH="$PWD:$SITE"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
-XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n ${WORKERS:-4}"
+# test workers: 4 on a card of more than 100 GB, 2 on an 80 GB H100 (4 workers' full-size MoE stacks ran it out of memory)
+MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n ${WORKERS:-$([ "${MEM_MB:-0}" -gt 100000 ] && echo 4 || echo 2)}"
 W=${WORK:-$(mktemp -d)}
 M=dsquant/assets/models/dsq-tiny-v3
 swap() {  # swap the dsquant files under .old/ with the tree's
@@ -125,12 +127,14 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
 import sys
 import dsquant.runtime.kernels.moe.fused_moe as fm
 import dsquant.runtime.kernels.attention.mla_decode as md
-fm.ONE_BLOCK_PER_PAIR_MAX_TOKENS, fm.FP8_FUSE_QUANT_MAX_TOKENS = ${PAIR_N:-${RULES_N:-1}}, ${FUSE_N:-${RULES_N:-1}}
+fm.ONE_BLOCK_PER_PAIR_MAX_TOKENS = ${PAIR_N:-fm.ONE_BLOCK_PER_PAIR_MAX_TOKENS}
+fm.FP8_FUSE_QUANT_MAX_TOKENS = ${FUSE_N:-fm.FP8_FUSE_QUANT_MAX_TOKENS}
 md.NARROW_SPLIT_TILES = ${MLA_TILES:-md.NARROW_SPLIT_TILES}
+md.SMALL_BATCH_SPLIT_TILES = ${MLA_SMALL_TILES:-md.SMALL_BATCH_SPLIT_TILES}
 from dsquant.cli import main
 sys.argv = ['dsquant', 'bench', 'engine', *'${ENGINE_ARGS:---schemes fp8,bf16 --modes async}'.split(),
             '--peer-batches', '', '--json', '$OUT/engineon${TAG:-}.json']
-main()" > "$OUT/engineon${TAG:-}.txt" 2>&1 ;;  # engine with fused_moe's decode rules at PAIR_N, FUSE_N (default RULES_N) and MLA_TILES (mla_decode.NARROW_SPLIT_TILES); A/B against engine
+main()" > "$OUT/engineon${TAG:-}.txt" 2>&1 ;;  # engine with fused_moe's decode rules at PAIR_N, FUSE_N and MLA decode's split tiles at MLA_TILES, MLA_SMALL_TILES (each unset: the module's default); A/B against engine
     tpbench) NCCL_NVLS_ENABLE=0 timeout "${TP_S:-500}" python3 -m dsquant bench engine --schemes "${TP_SCHEMES:-int4,bf16,fp8}" \
             --tensor-parallel-size "${TP_SIZES:-1,2}" --modes async --peer-batches "" --json "$OUT/tpbench.json" \
             > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (needs N GPUs)

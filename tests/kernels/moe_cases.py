@@ -164,17 +164,36 @@ V3_REDUCED = dict(e=16, hidden=7168, inter=2048)  # 16 of V3's 256 routed expert
 
 
 @functools.lru_cache(maxsize=2)
-def v2_lite_experts(fmt: str):
-    """V2-Lite experts in `fmt`, bf16, on CUDA: (MoeWeights, d13, d2); cached (drawing and
-    quantizing take seconds, and the float64 copies 4.6 GB: keep a test's formats together)."""
+def _v2_lite_experts(fmt: str):
     return make_experts(fmt, V2_LITE["e"], V2_LITE["hidden"], V2_LITE["inter"], torch.bfloat16, "cuda", seed=66)
 
 
 @functools.lru_cache(maxsize=1)
-def v3_experts(fmt: str):
-    """16 DeepSeek-V3-shaped experts in `fmt`, bf16, on CUDA (cached; float64 copies 5.6 GB)."""
+def _v3_experts(fmt: str):
     return make_experts(fmt, V3_REDUCED["e"], V3_REDUCED["hidden"], V3_REDUCED["inter"], torch.bfloat16, "cuda",
                         seed=3)
+
+
+def _only_cache(keep, fmt: str):
+    """keep(fmt), with the other shape's cached stacks freed first: with 4 test workers on an 80 GB
+    H100, a worker holding both (V2-Lite's float64 copies 4.6 GB a format, V3's 5.6 GB) ran the GPU
+    out of memory."""
+    for cached in (_v2_lite_experts, _v3_experts):
+        if cached is not keep and cached.cache_info().currsize:
+            cached.cache_clear()
+            torch.cuda.empty_cache()
+    return keep(fmt)
+
+
+def v2_lite_experts(fmt: str):
+    """V2-Lite experts in `fmt`, bf16, on CUDA: (MoeWeights, d13, d2); cached (drawing and
+    quantizing take seconds, and the float64 copies 4.6 GB: keep a test's formats together)."""
+    return _only_cache(_v2_lite_experts, fmt)
+
+
+def v3_experts(fmt: str):
+    """16 DeepSeek-V3-shaped experts in `fmt`, bf16, on CUDA (cached; float64 copies 5.6 GB)."""
+    return _only_cache(_v3_experts, fmt)
 
 
 def v2_lite_decode_case(fmt: str):

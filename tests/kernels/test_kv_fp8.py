@@ -286,10 +286,16 @@ def test_fp8_read_kernels_gpu(dtype, device):
 
 def test_mla_fp8_default_config():
     """An FP8 cache with <= 16 heads takes the prefetching kernel over 16-token tiles (FP8_CONFIG); a bf16
-    cache with more heads 64-token tiles (WIDE_CONFIG); the rest MLADecodeConfig()."""
+    cache with more heads 64-token tiles (WIDE_CONFIG); the rest MLADecodeConfig(), with 1-tile splits
+    at small batches."""
     from dsquant.runtime.kernels.attention.mla_decode import FP8_CONFIG, WIDE_CONFIG, MLADecodeConfig, default_config
 
     fp8_cache, bf16_cache = torch.zeros(2, 16, 656, dtype=torch.uint8), torch.zeros(2, 16, 576, dtype=torch.bfloat16)
     assert default_config(fp8_cache, 16) == FP8_CONFIG and FP8_CONFIG.fp8_prefetch and FP8_CONFIG.block_n == 16
     assert default_config(bf16_cache, 128) == WIDE_CONFIG and WIDE_CONFIG.block_n == 64
     assert default_config(fp8_cache, 128) == MLADecodeConfig() == default_config(bf16_cache, 16)
+    # a bf16 cache at <= 16 heads: 1-tile splits up to SMALL_BATCH sequences, 4-tile ones beyond
+    assert default_config(bf16_cache, 16, batch=1) == MLADecodeConfig(min_split_tiles=1)
+    assert default_config(bf16_cache, 16, batch=4).min_split_tiles == 1
+    assert default_config(bf16_cache, 16, batch=5) == MLADecodeConfig() and MLADecodeConfig().min_split_tiles == 4
+    assert default_config(fp8_cache, 16, batch=1) == FP8_CONFIG and default_config(bf16_cache, 128, 1) == WIDE_CONFIG

@@ -212,19 +212,26 @@ FP8_CONFIG = MLADecodeConfig(block_n=16, fp8_prefetch=True)
 WIDE_CONFIG = MLADecodeConfig(block_n=64)
 
 
-# bf16 cache at <= 16 heads: the fewest 32-token tiles a split covers (scripts/mla_short_sweep.py times the choice)
+# bf16 cache at <= 16 heads: the fewest 32-token tiles a split covers, 1 up to SMALL_BATCH sequences, else 4.
+# H100, 16 heads, us per layer (gpu.sh mlashort: scripts/mla_short_sweep.py, 2026-12-06), tiles 1 / 4:
+# B 1: 13.8 / 19.7 at 128 tokens, 15.7 / 21.2 at 600, 19.9 / 23.1 at 2048; B 4: 15.7 / 21.5, 18.4 / 23.2,
+# 23.4 / 25.3; B 16: 24.1 / 29.5 at 128 but 36.1 / 30.8 at 600 and 49.3 / 45.4 at 2048.
 NARROW_SPLIT_TILES = 4
+SMALL_BATCH_SPLIT_TILES = 1
+SMALL_BATCH = 4
 
 
-def default_config(kv_cache: torch.Tensor, heads: int) -> MLADecodeConfig:
+def default_config(kv_cache: torch.Tensor, heads: int, batch: int | None = None) -> MLADecodeConfig:
     """The launch config when the caller gives none: FP8_CONFIG for an FP8 cache at <= 16 heads,
-    WIDE_CONFIG for a bf16 cache at more, else MLADecodeConfig(min_split_tiles=NARROW_SPLIT_TILES)."""
+    WIDE_CONFIG for a bf16 cache at more, else 32-token tiles with min_split_tiles SMALL_BATCH_SPLIT_TILES
+    for at most SMALL_BATCH sequences (batch None: more), NARROW_SPLIT_TILES for more."""
     fp8 = kv_cache.dtype == torch.uint8
     if fp8 and heads <= 16:
         return FP8_CONFIG
     if not fp8 and heads > 16:
         return WIDE_CONFIG
-    return MLADecodeConfig(min_split_tiles=NARROW_SPLIT_TILES)
+    small = batch is not None and batch <= SMALL_BATCH
+    return MLADecodeConfig(min_split_tiles=SMALL_BATCH_SPLIT_TILES if small else NARROW_SPLIT_TILES)
 
 
 def _launch_plan(q_nope, kv_cache, max_seq_len, config: MLADecodeConfig, block_table):
@@ -282,7 +289,7 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     max_seq_len (host int, an upper bound of seq_lens, e.g. max_model_len under a CUDA graph) only
     sizes the number of splits; each sequence spreads its own length over them."""
     _check(q_nope, q_pe, kv_cache, block_table, seq_lens)
-    config = config or default_config(kv_cache, q_nope.shape[1])
+    config = config or default_config(kv_cache, q_nope.shape[1], q_nope.shape[0])
     if out is None:
         out = torch.empty_like(q_nope)
     plan = _launch_plan(q_nope, kv_cache, max_seq_len, config, block_table)
@@ -308,7 +315,7 @@ def mla_decode_split(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.T
     or None when the plan has a single split (then call mla_decode_attention). For a caller that
     merges with its own epilogue (mla_absorb.mla_merge_uv folds W_UV into the merge)."""
     _check(q_nope, q_pe, kv_cache, block_table, seq_lens)
-    config = config or default_config(kv_cache, q_nope.shape[1])
+    config = config or default_config(kv_cache, q_nope.shape[1], q_nope.shape[0])
     plan = _launch_plan(q_nope, kv_cache, max_seq_len, config, block_table)
     if plan[3] == 1:
         return None

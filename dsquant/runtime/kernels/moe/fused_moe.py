@@ -20,7 +20,7 @@ run moe_gemv's per-pair GEMVs (split-K by moe_gemv.default_split_k, counters res
 instead of the grouped MMA GEMMs. FP8 experts always take the grouped GEMMs (see _expert_gemvs).
 Up to ONE_BLOCK_PER_PAIR_MAX_TOKENS tokens on the grouped GEMMs run one block per pair, without the
 align launch (moe_align.one_block_per_pair); up to FP8_FUSE_QUANT_MAX_TOKENS, fp8 experts quantize
-the activations inside the GEMMs. Both are off (0) until measured on a GPU (see below).
+the activations inside the GEMMs (off: it lost on the GPU, see below).
 INT4 experts with prefill-sized batches (DEQUANT_MIN_PAIRS_PER_EXPERT) are dequantized once per call
 and run the bf16 grouped GEMMs (int4_dequant.py says why).
 """
@@ -45,16 +45,14 @@ DEQUANT_MIN_PAIRS_PER_EXPERT = 256
 DEQUANT_MAX_BYTES = 4 << 30
 # Batches of at most this many tokens on the grouped GEMMs skip moe_align (one block per pair; a
 # token's experts are distinct, so no weight is read twice). H100, V2-Lite layer, 8 layers' weights,
-# graph replays (scripts/moe_decode_probe.py): fp8 T = 1 36.9 vs 40.5 us, T = 2 53.3 vs 58.0; bf16
-# T = 1 53.8 vs 57.5, T = 2 87.8 vs 91.6; at T = 8 bf16 loses (222 vs 219) and at T = 64 both lose
-# 2.7x (each pair's block reads its expert's weights again). Those figures are an earlier try's (its JSON
-# was lost); the rule stays off (0: moe_align always, the landed behaviour) until a GPU run re-measures it
-# and the trained-model GPU test and demo pass with it on (gpu.sh moeq, PAIR_N=2 engineon, trained, demo).
-ONE_BLOCK_PER_PAIR_MAX_TOKENS = 0
+# graph replays (gpu.sh moeq: scripts/moe_decode_probe.py, 2026-12-06): fp8 T = 1 36.6 vs 40.4 us,
+# T = 2 53.3 vs 57.5; bf16 T = 1 53.6 vs 57.4, T = 2 86.6 vs 91.5; at T = 8 bf16 loses (221.0 vs 218.6)
+# and at T = 64 both lose 2.6x (each pair's block reads its expert's weights again).
+ONE_BLOCK_PER_PAIR_MAX_TOKENS = 2
 # fp8 experts quantize the activations inside the grouped GEMMs (A_QUANT) up to this many tokens:
-# off. On the H100 it lost everywhere: T = 1 103 vs 37 us, T = 8 288 vs 135, T = 64 471 vs 246, and
-# the FP8 engine at batch 1 ran 245 vs 409 tok/s; probably the per-step tile amax in the K loop costs more
-# than the two quant launches it saves. Kept (CPU- and GPU-tested) for a faster form.
+# off. On the H100 it lost everywhere (2026-12-06): T = 1 103.5 vs 36.6 us, T = 8 287.8 vs 133.8,
+# T = 64 467.0 vs 245.5, and the FP8 engine at batch 1 ran 245 vs 409 tok/s (an earlier try); probably the
+# per-step tile amax in the K loop costs more than the two quant launches it saves. Kept (CPU- and GPU-tested) for a faster form.
 FP8_FUSE_QUANT_MAX_TOKENS = 0
 
 
