@@ -12,8 +12,6 @@
 #   kernels:    gemm, mmaprobe (scripts/w4a16_mma_probe.py), gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe,
 #               moegemv (scripts/moe_gemv_probe.py: the INT4 MoE GEMV with and without its dequantization),
 #               moeq (scripts/moe_decode_probe.py: MoE decode with and without align / in-GEMM fp8 quant),
-#               moekb (scripts/moe_gemv_kblock_probe.py: the K-block INT4 MoE GEMV's configs against the GEMV;
-#               with KB_FROM=$OUT/moekb.json the later steps run its winners),
 #               fp8dec (scripts/fp8_decode_probe.py: FP8 decode GEMV forms, L2-cold), attention,
 #               kvfp8 (FP8-KV-cache decode rows), kvsweep (their launch configs: scripts/kvfp8_sweep.py),
 #               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), mlashort (short contexts:
@@ -39,19 +37,6 @@ for mod in httpx httpcore h11 anyio sniffio certifi idna; do  # the HTTP bench c
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .wheels-extra/${mod}-*.whl
 done
 export PYTHONPATH="$PWD:$SITE"
-# KB_FROM=PATH: every python process of the call sets fused_moe.GEMV_KBLOCK from that moekb probe JSON
-# once it exists (best_kblock), so the engine and test steps after a moekb step run its winners
-if [ -n "${KB_FROM:-}" ]; then cat > "$SITE/sitecustomize.py" <<EOF
-import os, sys
-if os.path.exists("$KB_FROM"):
-    sys.path.insert(0, "$PWD/scripts")
-    from moe_gemv_kblock_probe import best_kblock
-    import dsquant.runtime.kernels.moe.fused_moe as fm
-    fm.GEMV_KBLOCK = best_kblock("$KB_FROM")
-    with open("$OUT/kb_from.log", "a") as f:
-        print(os.getpid(), " ".join(sys.argv[:3]), fm.GEMV_KBLOCK, file=f)
-EOF
-fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 # test workers: 4 on a card of more than 100 GB, 2 on an 80 GB H100 (4 workers' full-size MoE stacks ran it out of memory)
@@ -115,8 +100,6 @@ for step in "$@"; do
             > "$OUT/moe_gemv_probe.txt" 2>&1 ;;
     fp8dec) timeout "${FP8DEC_S:-200}" python3 scripts/fp8_decode_probe.py "$OUT/fp8dec.json" ${FP8DEC_ARGS:-} \
         > "$OUT/fp8dec.txt" 2>&1 ;;
-    moekb) timeout "${MOEKB_S:-240}" python3 scripts/moe_gemv_kblock_probe.py "$OUT/moekb.json" ${MOEKB_ARGS:-} \
-            > "$OUT/moekb.txt" 2>&1 ;;
     moeq) timeout "${MOEQ_S:-150}" python3 scripts/moe_decode_probe.py "$OUT/moeq.json" ${MOEQ_ARGS:-} \
             > "$OUT/moeq.txt" 2>&1 ;;
     moe) timeout "${MOE_S:-150}" python3 -m dsquant bench moe ${MOE_ARGS:-} --json "$OUT/moe.json" > "$OUT/moe.txt" 2>&1 ;;

@@ -36,7 +36,6 @@ from dsquant.runtime.kernels.moe.int4_dequant import dequantize_int4_grouped
 from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size, one_block_per_pair
 from dsquant.runtime.kernels.moe.moe_gemm import GemmConfig, GroupedWeight, moe_gemm
 from dsquant.runtime.kernels.moe.moe_gemv import MOE_GEMV_MAX_PAIRS, moe_gemv_int4, reserve_gemv_counters
-from dsquant.runtime.kernels.moe.moe_gemv_kblock import moe_gemv_int4_kblock
 from dsquant.runtime.kernels.moe.moe_sum import moe_sum
 
 # INT4 experts with at least this many (token, expert) pairs per expert (a prefill chunk) are
@@ -55,9 +54,6 @@ ONE_BLOCK_PER_PAIR_MAX_TOKENS = 2
 # T = 64 467.0 vs 245.5, and the FP8 engine at batch 1 ran 245 vs 409 tok/s (an earlier try); probably the
 # per-step tile amax in the K loop costs more than the two quant launches it saves. Kept (CPU- and GPU-tested) for a faster form.
 FP8_FUSE_QUANT_MAX_TOKENS = 0
-# INT4 decode GEMVs in the K-block form (moe_gemv_kblock.py), per projection ("gate_up", "down"):
-# (block_n, k_chunks, num_warps, split_k); a projection not named runs moe_gemv_int4.
-GEMV_KBLOCK: dict[str, tuple[int, int, int, int]] = {}
 
 
 @dataclass
@@ -209,12 +205,5 @@ def _expert_gemvs(hidden, weights: MoeWeights, ids, act, out) -> None:
     grouped GEMMs: its per-pair GEMV (moe_gemv_fp8) measured 32.5 | 17.6 us at T = 1 against the
     grouped kernel's 15.4 | 9.6 plus a 5.2 us align."""
     top_k = ids.shape[1]
-    for name, a, w, y, div, gated in (("gate_up", hidden, weights.w13, act, top_k, True),
-                                      ("down", act, weights.w2, out, 1, False)):
-        cfg = GEMV_KBLOCK.get(name)
-        if cfg:
-            block_n, k_chunks, warps, split = cfg
-            moe_gemv_int4_kblock(a, w, ids, y, div, gated, block_n=block_n, k_chunks=k_chunks, num_warps=warps,
-                                 split_k=split)
-        else:
-            moe_gemv_int4(a, w, ids, y, a_row_div=div, gated=gated, block_n=16, num_warps=1)
+    moe_gemv_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=16, num_warps=1)
+    moe_gemv_int4(act, weights.w2, ids, out, a_row_div=1, gated=False, block_n=16, num_warps=1)
