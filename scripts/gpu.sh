@@ -12,12 +12,13 @@
 #   kernels:    gemm, mmaprobe (scripts/w4a16_mma_probe.py), gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe,
 #               moegemv (scripts/moe_gemv_probe.py: the INT4 MoE GEMV with and without its dequantization),
 #               moeq (scripts/moe_decode_probe.py: MoE decode with and without align / in-GEMM fp8 quant),
+#               routeq (scripts/router_route_probe.py: router logits + routing in one launch against two),
 #               fp8dec (scripts/fp8_decode_probe.py: FP8 decode GEMV forms, L2-cold), attention,
 #               kvfp8 (FP8-KV-cache decode rows), kvsweep (their launch configs: scripts/kvfp8_sweep.py),
 #               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), mlashort (short contexts:
 #               how finely to split, scripts/mla_short_sweep.py), prefill (GQA prefill
 #               configs against SDPA: scripts/prefill_sweep.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
-#   engine:     engine, tpbench / tpv2 (tensor parallelism: V2-Lite at TP_SIZES, V2-236B INT4; several GPUs), engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES / MLA_SMALL_TILES), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
+#   engine:     engine, tpbench / tpv2 (tensor parallelism: V2-Lite at TP_SIZES, V2-236B INT4; several GPUs), engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES / MLA_SMALL_TILES, router_route up to ROUTE_N tokens), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
 #               prompt; long32: 32768), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
 #               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split)
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
@@ -100,6 +101,8 @@ for step in "$@"; do
             > "$OUT/moe_gemv_probe.txt" 2>&1 ;;
     fp8dec) timeout "${FP8DEC_S:-200}" python3 scripts/fp8_decode_probe.py "$OUT/fp8dec.json" ${FP8DEC_ARGS:-} \
         > "$OUT/fp8dec.txt" 2>&1 ;;
+    routeq) timeout "${ROUTEQ_S:-120}" python3 scripts/router_route_probe.py "$OUT/routeq.json" ${ROUTEQ_ARGS:-} \
+            > "$OUT/routeq.txt" 2>&1 ;;
     moeq) timeout "${MOEQ_S:-150}" python3 scripts/moe_decode_probe.py "$OUT/moeq.json" ${MOEQ_ARGS:-} \
             > "$OUT/moeq.txt" 2>&1 ;;
     moe) timeout "${MOE_S:-150}" python3 -m dsquant bench moe ${MOE_ARGS:-} --json "$OUT/moe.json" > "$OUT/moe.txt" 2>&1 ;;
@@ -131,10 +134,12 @@ fm.ONE_BLOCK_PER_PAIR_MAX_TOKENS = ${PAIR_N:-fm.ONE_BLOCK_PER_PAIR_MAX_TOKENS}
 fm.FP8_FUSE_QUANT_MAX_TOKENS = ${FUSE_N:-fm.FP8_FUSE_QUANT_MAX_TOKENS}
 md.NARROW_SPLIT_TILES = ${MLA_TILES:-md.NARROW_SPLIT_TILES}
 md.SMALL_BATCH_SPLIT_TILES = ${MLA_SMALL_TILES:-md.SMALL_BATCH_SPLIT_TILES}
+import dsquant.runtime.kernels.moe.router_gemv as rg
+rg.FUSED_ROUTE_MAX_T = ${ROUTE_N:-rg.FUSED_ROUTE_MAX_T}
 from dsquant.cli import main
 sys.argv = ['dsquant', 'bench', 'engine', *'${ENGINE_ARGS:---schemes fp8,bf16 --modes async}'.split(),
             '--peer-batches', '', '--json', '$OUT/engineon${TAG:-}.json']
-main()" > "$OUT/engineon${TAG:-}.txt" 2>&1 ;;  # engine with fused_moe's decode rules at PAIR_N, FUSE_N and MLA decode's split tiles at MLA_TILES, MLA_SMALL_TILES (each unset: the module's default); A/B against engine
+main()" > "$OUT/engineon${TAG:-}.txt" 2>&1 ;;  # engine with fused_moe's decode rules at PAIR_N, FUSE_N and MLA decode's split tiles at MLA_TILES, MLA_SMALL_TILES, the one-launch router at ROUTE_N tokens (each unset: the module's default); A/B against engine
     tpbench) NCCL_NVLS_ENABLE=0 timeout "${TP_S:-500}" python3 -m dsquant bench engine --schemes "${TP_SCHEMES:-int4,bf16,fp8}" \
             --tensor-parallel-size "${TP_SIZES:-1,2}" --modes async --peer-batches "" --json "$OUT/tpbench.json" \
             > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (needs N GPUs)
@@ -182,7 +187,7 @@ main()" > "$OUT/engineon${TAG:-}.txt" 2>&1 ;;  # engine with fused_moe's decode 
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/gpukernels.txt "$OUT"/gpurest.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
-for f in mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill tpbench tpv2; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+for f in mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe routeq engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill tpbench tpv2; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
 # what comes back is limited in files: everything in one archive (steps.txt beside it)

@@ -36,3 +36,59 @@ def test_router_logits_poisoned_output_fully_written(device, monkeypatch):
 @pytest.mark.parametrize("experts,hidden", [(64, 2048), (256, 7168)])
 def test_router_logits_bf16_deepseek_shapes(t, experts, hidden):
     _check("cuda", torch.bfloat16, t, experts, hidden, seed=t)
+
+
+# (E, top_k, n_group, topk_group, scoring, method): tiny greedy, V2-Lite-like grouped, V3-like noaux_tc
+ROUTES = [(8, 2, 1, 1, "softmax", "greedy"), (64, 6, 8, 3, "softmax", "group_limited_greedy"),
+          (256, 8, 8, 4, "sigmoid", "noaux_tc")]
+
+
+def _route_case(device, dtype, t, e, k, n_group, topk_group, scoring, method, hidden, n_shared, seed):
+    """router_route into poisoned outputs against router_logits + moe_route (the two launches it fuses:
+    the same logits, so the same bits) and against select_experts on the float32 logits (as sets); the
+    counters are left zero, and a second launch gives the same bits."""
+    from dsquant.models.routing import RoutingConfig, select_experts
+    from dsquant.runtime.kernels.moe.moe_route import moe_route
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hidden, generator=g).to(device, dtype)
+    w = (torch.randn(e, hidden, generator=g) * 0.05).to(device, dtype)
+    bias = (torch.randn(e, generator=g) * 0.5).to(device) if method == "noaux_tc" else None
+    args = (k, scoring, method, n_group, topk_group, True, 2.5, bias)
+    counters = torch.zeros(router_gemv.ROUTER_GEMV_MAX_T, dtype=torch.int32, device=device)
+    outs = []
+    for _ in range(2):
+        out = (torch.full((t, k + n_shared), float("nan"), device=device),
+               torch.full((t, k + n_shared), -7, dtype=torch.int32, device=device))
+        got = router_gemv.router_route(x, w, counters, *args, n_shared=n_shared, out=out)
+        assert got[0].data_ptr() == out[0].data_ptr() and int(counters.abs().sum()) == 0
+        outs.append(got)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    weights, ids = outs[0]
+    ref_w, ref_ids = moe_route(router_logits(x, w), *args, n_shared=n_shared)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+    sel_w, sel_ids = select_experts(torch.nn.functional.linear(x.float(), w.float()),
+                                    RoutingConfig(e, k, scoring, method, n_group, topk_group, True, 2.5), bias)
+    assert torch.equal(ids[:, :k].long().sort(-1)[0], sel_ids.sort(-1)[0])
+
+
+@pytest.mark.parametrize("e,k,n_group,topk_group,scoring,method", ROUTES)
+@pytest.mark.parametrize("t,n_shared", [(1, 0), (3, 2)])
+def test_router_route_matches_two_launches(device, t, n_shared, e, k, n_group, topk_group, scoring, method):
+    _route_case(device, torch.float16, t, e, k, n_group, topk_group, scoring, method, 96, n_shared, seed=t + e)
+
+
+def test_router_route_rejects_bad_counters(device):
+    x, w = torch.randn(2, 64, device=device).half(), torch.randn(8, 64, device=device).half()
+    with pytest.raises(ValueError, match="counters"):
+        router_gemv.router_route(x, w, torch.zeros(1, dtype=torch.int32, device=device), 2)
+    with pytest.raises(ValueError, match="counters"):
+        router_gemv.router_route(x, w, torch.zeros(4, dtype=torch.int64, device=device), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,k,n_group,topk_group,scoring,method", ROUTES[1:])
+@pytest.mark.parametrize("t", [1, 8, 16])
+def test_router_route_bf16_deepseek_shapes(t, e, k, n_group, topk_group, scoring, method):
+    hidden = 2048 if e == 64 else 7168
+    _route_case("cuda", torch.bfloat16, t, e, k, n_group, topk_group, scoring, method, hidden, 2, seed=t)

@@ -100,3 +100,17 @@ def test_fused_modules_match_reference_bf16_cuda(family, tiny_models):
     _, path = tiny_models[family]
     with torch.inference_mode():
         _check_layer(_engine(path, "cuda", torch.bfloat16).model, torch.bfloat16, "cuda", t=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_fused_route_matches_reference_bf16_cuda(family, tiny_models, monkeypatch):
+    """Decode-sized batches with router_route on (router logits and routing in one launch)."""
+    from dsquant.runtime.kernels.moe import router_gemv
+
+    monkeypatch.setattr(router_gemv, "FUSED_ROUTE_MAX_T", 16)
+    _, path = tiny_models[family]
+    with torch.inference_mode():
+        model = _engine(path, "cuda", torch.bfloat16).model
+        _check_layer(model, torch.bfloat16, "cuda", t=5)
+        assert model.model.layers[1].mlp.gate.route_counters is not None  # the fused launch ran

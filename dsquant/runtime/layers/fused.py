@@ -95,6 +95,7 @@ class TritonRouter(Router):
     """weight [E, H]; weight_fp32: None, or its fp32 copy when logits cannot come from cuBLAS."""
 
     weight_fp32: torch.Tensor | None = None
+    route_counters: torch.Tensor | None = None  # router_route's per-token counters, made on first use
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> fp32 [T, E] in one GEMM (the reference: linear(x.float(), weight.float()))."""
@@ -119,9 +120,18 @@ class TritonRouter(Router):
             from dsquant.runtime.kernels.moe.fused_moe import with_shared_experts
 
             return with_shared_experts(*out, self.weight.shape[0], n_shared)
+        from dsquant.runtime.kernels.moe import router_gemv
         from dsquant.runtime.kernels.moe.moe_route import moe_route
 
         c = self.routing
+        w = self.weight
+        if (x.shape[0] <= router_gemv.FUSED_ROUTE_MAX_T and x.is_cuda and x.dtype == w.dtype
+                and x.dtype in (torch.bfloat16, torch.float16) and w.is_contiguous() and x.stride(-1) == 1):
+            if self.route_counters is None or self.route_counters.device != x.device:
+                self.route_counters = torch.zeros(router_gemv.ROUTER_GEMV_MAX_T, dtype=torch.int32, device=x.device)
+            return router_gemv.router_route(x, w, self.route_counters, c.top_k, c.scoring, c.topk_method, c.n_group,
+                                            c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
+                                            self.e_score_correction_bias, n_shared=n_shared)  # one launch
         return moe_route(self.logits(x), c.top_k, c.scoring, c.topk_method, c.n_group, c.topk_group,
                          c.norm_topk_prob, c.routed_scaling_factor, self.e_score_correction_bias,
                          n_shared=n_shared)  # int32 ids

@@ -6,6 +6,11 @@ linear(x.float(), weight.float()) does (the order of the sum differs). One progr
 BLOCK_E experts), the hidden dimension in BLOCK_K tiles. At batch-1 decode this replaces cuBLAS's
 fp32-output GEMM (5.1 us per V2-Lite layer on an H200) for small T; beyond ROUTER_GEMV_MAX_T the
 caller keeps the GEMM.
+
+router_route fuses the routing (moe_route.route_row) into the same launch: each program stores its
+experts' logits and counts itself in on the token's counter (int32, zero between launches); the last
+of the token's programs to arrive routes the row and resets the counter. Off in the runtime up to
+FUSED_ROUTE_MAX_T tokens (0: two launches) until a GPU run times it.
 """
 from __future__ import annotations
 
@@ -13,15 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels.moe.moe_route import route_outputs, route_plan, route_row
+
 ROUTER_GEMV_MAX_T = 16
+FUSED_ROUTE_MAX_T = 0
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, stride_xt, w_ptr, out_ptr, num_experts, hidden,
-                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    t = tl.program_id(1)
-    emask = e < num_experts
+def _logits_block(x_ptr, stride_xt, w_ptr, t, e, emask, hidden, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 logits [BLOCK_E] of token t for experts e [BLOCK_E]."""
     acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -30,7 +35,42 @@ def _router_logits_kernel(x_ptr, stride_xt, w_ptr, out_ptr, num_experts, hidden,
         w = tl.load(w_ptr + e[:, None].to(tl.int64) * hidden + k[None, :], mask=emask[:, None] & kmask[None, :],
                     other=0.0).to(tl.float32)  # [BLOCK_E, BLOCK_K]
         acc += w * x[None, :]
-    tl.store(out_ptr + t * num_experts + e, tl.sum(acc, 1), mask=emask)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, stride_xt, w_ptr, out_ptr, num_experts, hidden,
+                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (cdiv(E, BLOCK_E), T): out [T, E] fp32."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    t = tl.program_id(1)
+    emask = e < num_experts
+    tl.store(out_ptr + t * num_experts + e,
+             _logits_block(x_ptr, stride_xt, w_ptr, t, e, emask, hidden, BLOCK_E, BLOCK_K), mask=emask)
+
+
+@triton.jit
+def _router_route_kernel(x_ptr, stride_xt, w_ptr, logits_ptr, counters_ptr, bias_ptr, weights_ptr, ids_ptr,
+                         stride_weights, stride_ids, hidden, num_experts, per_group, n_group, scaling,
+                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr,
+                         TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, METHOD: tl.constexpr, NORM: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_PER: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    """Grid (cdiv(E, BLOCK_E), T): logits fp32 [T, E] (scratch), counters int32 [T] (zero on entry and
+    exit), weights fp32 / ids int32 [T, top_k + n_shared] as moe_route's; BLOCK_H: the hidden tile;
+    the other constexprs are route_row's."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    t = tl.program_id(1).to(tl.int64)
+    emask = e < num_experts
+    row = logits_ptr + t * num_experts
+    tl.store(row + e, _logits_block(x_ptr, stride_xt, w_ptr, t, e, emask, hidden, BLOCK_E, BLOCK_H), mask=emask)
+    tl.debug_barrier()  # every thread's logits are written before the counter moves
+    arrived = tl.atomic_add(counters_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:  # the token's last program: all of its row is written
+        route_row(row, bias_ptr, weights_ptr + t * stride_weights, ids_ptr + t * stride_ids, num_experts,
+                  per_group, n_group, scaling, TOP_K, N_SHARED, TOPK_GROUP, SIGMOID, METHOD, NORM, BLOCK_G,
+                  BLOCK_PER, BLOCK_K, BLOCK_S)
+        tl.atomic_xchg(counters_ptr + t, 0, sem="relaxed", scope="gpu")
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -47,3 +87,31 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         _router_logits_kernel[(triton.cdiv(num_experts, block_e), t)](
             x, x.stride(0), weight, out, num_experts, hidden, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
     return out
+
+
+def router_route(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, top_k: int, scoring: str = "softmax",
+                 topk_method: str = "greedy", n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = False,
+                 routed_scaling_factor: float = 1.0, e_score_correction_bias: torch.Tensor | None = None,
+                 n_shared: int = 0, out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """router_logits then moe_route in one launch: x [T, H], weight [E, H] (same 16-bit float dtype),
+    counters int32 [>= T] zeros (left zero) -> (topk_weights fp32 [T, top_k + n_shared], topk_ids int32)."""
+    t, hidden = x.shape
+    num_experts = weight.shape[0]
+    if weight.shape[1] != hidden or not weight.is_contiguous() or x.stride(-1) != 1:
+        raise ValueError(f"router_route: x [T, H] with unit last stride and contiguous weight [E, H={hidden}] "
+                         f"expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if counters.dtype != torch.int32 or counters.numel() < t or counters.device != x.device:
+        raise ValueError(f"router_route: counters must be int32 with >= {t} elements on {x.device}, got "
+                         f"{counters.dtype} {tuple(counters.shape)} on {counters.device}")
+    bias, args, consts = route_plan(num_experts, top_k, scoring, topk_method, n_group, topk_group, norm_topk_prob,
+                                    routed_scaling_factor, e_score_correction_bias, n_shared)
+    weights, ids = route_outputs(t, top_k + n_shared, x.device, out)
+    if t:
+        logits = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)  # [T, E] scratch
+        block_e = 2 if num_experts <= 128 else 4
+        _router_route_kernel[(triton.cdiv(num_experts, block_e), t)](
+            x, x.stride(0), weight, logits, counters, logits if bias is None else bias, weights, ids,
+            weights.stride(0), ids.stride(0), hidden, args["num_experts"], args["per_group"], args["n_group"],
+            args["scaling"], BLOCK_E=block_e, BLOCK_H=min(1024, triton.next_power_of_2(hidden)), **consts,
+            num_warps=4)
+    return weights, ids
