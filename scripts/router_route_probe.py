@@ -42,8 +42,12 @@ def main() -> None:
         counters = [torch.zeros(ROUTER_GEMV_MAX_T, dtype=torch.int32, device="cuda") for _ in ws]
         for t in map(int, args.tokens.split(",")):
             x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
-            two = lambda: [moe_route(router_logits(x, w), *route_args, n_shared=n_shared) for w in ws]  # noqa: E731
-            one = lambda: [router_route(x, w, c, *route_args, n_shared=n_shared) for w, c in zip(ws, counters)]  # noqa: E731
+            def two(x=x):
+                return [moe_route(router_logits(x, w), *route_args, n_shared=n_shared) for w in ws]
+
+            def one(x=x):
+                return [router_route(x, w, c, *route_args, n_shared=n_shared) for w, c in zip(ws, counters)]
+
             same = all(torch.equal(a, b) for pa, pb in zip(two(), one()) for a, b in zip(pa, pb))
             r = dict(shape=name, tokens=t, same_bits=same)
             for form, fn in (("two_launches", two), ("one_launch", one)):

@@ -52,7 +52,8 @@ ONE_BLOCK_PER_PAIR_MAX_TOKENS = 2
 # fp8 experts quantize the activations inside the grouped GEMMs (A_QUANT) up to this many tokens:
 # off. On the H100 it lost everywhere (2026-12-06): T = 1 103.5 vs 36.6 us, T = 8 287.8 vs 133.8,
 # T = 64 467.0 vs 245.5, and the FP8 engine at batch 1 ran 245 vs 409 tok/s (an earlier try); probably the
-# per-step tile amax in the K loop costs more than the two quant launches it saves. Kept (CPU- and GPU-tested) for a faster form.
+# per-step tile amax in the K loop costs more than the two quant launches it saves. Kept (CPU- and
+# GPU-tested) for a faster form.
 FP8_FUSE_QUANT_MAX_TOKENS = 0
 
 
