@@ -34,17 +34,20 @@ MAX_EXPERTS = 1024
 def route_row(row_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, per_group, n_group, scaling,
               TOP_K: tl.constexpr, N_SHARED: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr,
               METHOD: tl.constexpr, NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PER: tl.constexpr,
-              BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+              BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, FRESH_ROW: tl.constexpr = False):
     """Route one token: its fp32 logits [E] at row_ptr -> weights_ptr [top_k + n_shared] fp32 and
     ids_ptr [same] int32 (the module docstring's rule). METHOD: 0 greedy, 1 group_limited_greedy,
-    2 noaux_tc. The logits are read through L2 (.cg): router_gemv's fused kernel routes a row that
-    other programs have just written."""
+    2 noaux_tc. FRESH_ROW: the row was just written by other programs of the launch (router_gemv's
+    fused kernel), so it is read through L2 (.cg)."""
     g = tl.arange(0, BLOCK_G)[:, None]  # [BLOCK_G, 1]
     j = tl.arange(0, BLOCK_PER)[None, :]  # [1, BLOCK_PER]
     expert = g * per_group + j  # [BLOCK_G, BLOCK_PER]
     valid = (g < n_group) & (j < per_group)
     neg_inf = float("-inf")
-    logits = tl.load(row_ptr + expert, mask=valid, other=neg_inf, cache_modifier=".cg")
+    if FRESH_ROW:
+        logits = tl.load(row_ptr + expert, mask=valid, other=neg_inf, cache_modifier=".cg")
+    else:
+        logits = tl.load(row_ptr + expert, mask=valid, other=neg_inf)
     if SIGMOID:
         scores = tl.sigmoid(logits)
     else:

@@ -69,7 +69,7 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, logits_ptr, counters_ptr, bias
     if arrived == tl.num_programs(0) - 1:  # the token's last program: all of its row is written
         route_row(row, bias_ptr, weights_ptr + t * stride_weights, ids_ptr + t * stride_ids, num_experts,
                   per_group, n_group, scaling, TOP_K, N_SHARED, TOPK_GROUP, SIGMOID, METHOD, NORM, BLOCK_G,
-                  BLOCK_PER, BLOCK_K, BLOCK_S)
+                  BLOCK_PER, BLOCK_K, BLOCK_S, FRESH_ROW=True)
         tl.atomic_xchg(counters_ptr + t, 0, sem="relaxed", scope="gpu")
 
 
