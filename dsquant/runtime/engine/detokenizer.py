@@ -80,12 +80,14 @@ class IncrementalDetokenizer:
         if len(self.stalled) < MAX_STALLED:
             return ""
         lost, tail = self.stalled[:-KEEP], self.stalled[-KEEP:]
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        base, full = decode(self.context), decode(self.context + lost)
-        text = full[len(base):] if full.startswith(base) else decode(lost)
+        base, full = self._decode(self.context), self._decode(self.context + lost)
+        text = full[len(base):] if full.startswith(base) else self._decode(lost)
         self.stream = DecodeStream(ids=self.context or None, skip_special_tokens=True)
         self.stalled = []
         return text + "".join(self._step(t) for t in tail)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _held(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""

@@ -97,13 +97,19 @@ class TritonRouter(Router):
     weight_fp32: torch.Tensor | None = None
     route_counters: torch.Tensor | None = None  # router_route's per-token counters, made on first use
 
+    def _gemv_takes(self, x: torch.Tensor, max_t: int) -> bool:
+        """Whether the router GEMVs (kernels/moe/router_gemv.py) take x [T, H] on this weight, T <= max_t."""
+        w = self.weight
+        return (x.shape[0] <= max_t and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+                and w.is_contiguous() and x.stride(-1) == 1)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> fp32 [T, E] in one GEMM (the reference: linear(x.float(), weight.float()))."""
         w = self.weight
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
             from dsquant.runtime.kernels.moe.router_gemv import ROUTER_GEMV_MAX_T, router_logits
 
-            if x.shape[0] <= ROUTER_GEMV_MAX_T and w.is_contiguous() and x.stride(-1) == 1:
+            if self._gemv_takes(x, ROUTER_GEMV_MAX_T):
                 return router_logits(x, w)  # decode: one Triton GEMV launch
             return torch.mm(x, w.t(), out_dtype=torch.float32)  # bf16 products are exact in fp32
         if w.dtype != torch.float32 and self.weight_fp32 is None:
@@ -125,8 +131,7 @@ class TritonRouter(Router):
 
         c = self.routing
         w = self.weight
-        if (x.shape[0] <= router_gemv.FUSED_ROUTE_MAX_T and x.is_cuda and x.dtype == w.dtype
-                and x.dtype in (torch.bfloat16, torch.float16) and w.is_contiguous() and x.stride(-1) == 1):
+        if self._gemv_takes(x, router_gemv.FUSED_ROUTE_MAX_T):
             if self.route_counters is None or self.route_counters.device != x.device:
                 self.route_counters = torch.zeros(router_gemv.ROUTER_GEMV_MAX_T, dtype=torch.int32, device=x.device)
             return router_gemv.router_route(x, w, self.route_counters, c.top_k, c.scoring, c.topk_method, c.n_group,

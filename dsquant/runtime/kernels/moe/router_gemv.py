@@ -73,19 +73,23 @@ def _router_route_kernel(x_ptr, stride_xt, w_ptr, logits_ptr, counters_ptr, bias
         tl.atomic_xchg(counters_ptr + t, 0, sem="relaxed", scope="gpu")
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, H], weight [E, H] (same 16-bit float dtype) -> fp32 logits [T, E]."""
+def _logits_launch(name: str, x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int, int]:
+    """Check a router GEMV's x [T, H] and weight [E, H]; (T, E, BLOCK_E experts, BLOCK_K hidden) a program."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     if weight.shape[1] != hidden or not weight.is_contiguous() or x.stride(-1) != 1:
-        raise ValueError(f"router_logits: x [T, H] with unit last stride and contiguous weight [E, H={hidden}] "
+        raise ValueError(f"{name}: x [T, H] with unit last stride and contiguous weight [E, H={hidden}] "
                          f"expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    return t, num_experts, 2 if num_experts <= 128 else 4, min(1024, triton.next_power_of_2(hidden))
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H], weight [E, H] (same 16-bit float dtype) -> fp32 logits [T, E]."""
+    t, num_experts, block_e, block_k = _logits_launch("router_logits", x, weight)
     out = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
     if t:
-        block_e = 2 if num_experts <= 128 else 4
-        block_k = min(1024, triton.next_power_of_2(hidden))
         _router_logits_kernel[(triton.cdiv(num_experts, block_e), t)](
-            x, x.stride(0), weight, out, num_experts, hidden, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+            x, x.stride(0), weight, out, num_experts, x.shape[1], BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
     return out
 
 
@@ -95,11 +99,7 @@ def router_route(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, 
                  n_shared: int = 0, out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """router_logits then moe_route in one launch: x [T, H], weight [E, H] (same 16-bit float dtype),
     counters int32 [>= T] zeros (left zero) -> (topk_weights fp32 [T, top_k + n_shared], topk_ids int32)."""
-    t, hidden = x.shape
-    num_experts = weight.shape[0]
-    if weight.shape[1] != hidden or not weight.is_contiguous() or x.stride(-1) != 1:
-        raise ValueError(f"router_route: x [T, H] with unit last stride and contiguous weight [E, H={hidden}] "
-                         f"expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    t, num_experts, block_e, block_h = _logits_launch("router_route", x, weight)
     if counters.dtype != torch.int32 or counters.numel() < t or counters.device != x.device:
         raise ValueError(f"router_route: counters must be int32 with >= {t} elements on {x.device}, got "
                          f"{counters.dtype} {tuple(counters.shape)} on {counters.device}")
@@ -108,10 +108,8 @@ def router_route(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, 
     weights, ids = route_outputs(t, top_k + n_shared, x.device, out)
     if t:
         logits = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)  # [T, E] scratch
-        block_e = 2 if num_experts <= 128 else 4
         _router_route_kernel[(triton.cdiv(num_experts, block_e), t)](
             x, x.stride(0), weight, logits, counters, logits if bias is None else bias, weights, ids,
-            weights.stride(0), ids.stride(0), hidden, args["num_experts"], args["per_group"], args["n_group"],
-            args["scaling"], BLOCK_E=block_e, BLOCK_H=min(1024, triton.next_power_of_2(hidden)), **consts,
-            num_warps=4)
+            weights.stride(0), ids.stride(0), x.shape[1], args["num_experts"], args["per_group"], args["n_group"],
+            args["scaling"], BLOCK_E=block_e, BLOCK_H=block_h, **consts, num_warps=4)
     return weights, ids
