@@ -3,9 +3,13 @@
 python scripts/gpu_engine_profile.py OUT_DIR [scheme ...]: per scheme, whether CUDA graphs were
 captured, host time per step split into prepare / execute / rest, and a torch.profiler table of
 a few batch-1 decode steps (CPU and CUDA time per op), written under OUT_DIR.
+PROFILE_BATCH=N (default 0: off) adds the same for N concurrent sequences (bench engine's 512-token
+prompts): each step's wall time (unsynchronized, as the bench runs) over a full run (prefill steps against decode
+steps), and the kernels of 5 replays of the batch-N decode graph with the run's own inputs staged.
 """
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -19,8 +23,44 @@ from dsquant.runtime.engine.sequence import SamplingParams
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 out = Path(sys.argv[1])
 schemes = sys.argv[2:] or ["bf16", "int4"]
-spec = EngineBenchSpec(concurrency=8)
+BATCH = int(os.environ.get("PROFILE_BATCH", "0"))
+spec = EngineBenchSpec(concurrency=max(8, BATCH))
 report = {}
+
+
+def profile_batch(eng, batch: int, path: Path) -> dict:
+    """Run `batch` 512-token prompts to 128 output tokens: per-step wall time split into steps
+    that prefill and decode-only steps; halfway, profile 5 replays of the batch-size graph on
+    the inputs staged for that step (the run's real lengths)."""
+    runner = eng.runner
+    for p in _prompts(batch, 512, 32000, 9):
+        eng.add_request(p, SamplingParams(max_tokens=128, ignore_eos=True))
+    prefill_ms, decode_ms, n = [], [], 0
+    while eng.has_unfinished():
+        tokens = sum(s.num_uncomputed_tokens for s in eng.scheduler.running) + \
+            sum(s.num_tokens for s in eng.scheduler.waiting)
+        t = time.perf_counter()  # no syncs: async steps overlap as in the bench
+        eng.step()
+        (decode_ms if tokens <= batch else prefill_ms).append((time.perf_counter() - t) * 1e3)
+        n += 1
+        if n == 64 and runner.graphs is not None and batch in runner.graphs.bucket:
+            g = runner.graphs.graphs[runner.graphs.bucket[batch]]
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(10):
+                g.replay()
+            torch.cuda.synchronize()
+            replay_ms = (time.perf_counter() - t) / 10 * 1e3
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    g.replay()
+                torch.cuda.synchronize()
+            path.write_text(f"graph replay {replay_ms:.3f} ms a step (batch {batch})\n" +
+                            prof.key_averages().table(sort_by="cuda_time_total", row_limit=60))
+    med = lambda v: sorted(v)[len(v) // 2] if v else None  # noqa: E731
+    return {"prefill_steps": len(prefill_ms), "prefill_ms_total": sum(prefill_ms),
+            "decode_steps": len(decode_ms), "decode_ms_median": med(decode_ms), "decode_ms_total": sum(decode_ms)}
+
 with tempfile.TemporaryDirectory() as tmp:
     for scheme in schemes:
         eng, reader, load_s = build_engine(scheme, spec, Path(tmp), 1024)
@@ -94,6 +134,8 @@ with tempfile.TemporaryDirectory() as tmp:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
         (out / f"profile_{scheme}.txt").write_text(
             table + "\n\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+        if BATCH:
+            info["batch"] = profile_batch(eng, BATCH, out / f"replay_kernels_{scheme}_b{BATCH}.txt")
         report[scheme] = info
         print(scheme, info, flush=True)
         (out / "profile.json").write_text(json.dumps(report, indent=1))

@@ -43,7 +43,8 @@ ROUTES = [(8, 2, 1, 1, "softmax", "greedy"), (64, 6, 8, 3, "softmax", "group_lim
           (256, 8, 8, 4, "sigmoid", "noaux_tc")]
 
 
-def _route_case(device, dtype, t, e, k, n_group, topk_group, scoring, method, hidden, n_shared, seed):
+def _route_case(device, dtype, t, e, k, n_group, topk_group, scoring, method, hidden, n_shared, seed,
+                norm=True, scale=2.5):
     """router_route into poisoned outputs against router_logits + moe_route (the two launches it fuses:
     the same logits, so the same bits) and against select_experts on the float32 logits (as sets); the
     counters are left zero, and a second launch gives the same bits."""
@@ -54,7 +55,7 @@ def _route_case(device, dtype, t, e, k, n_group, topk_group, scoring, method, hi
     x = torch.randn(t, hidden, generator=g).to(device, dtype)
     w = (torch.randn(e, hidden, generator=g) * 0.05).to(device, dtype)
     bias = (torch.randn(e, generator=g) * 0.5).to(device) if method == "noaux_tc" else None
-    args = (k, scoring, method, n_group, topk_group, True, 2.5, bias)
+    args = (k, scoring, method, n_group, topk_group, norm, scale, bias)
     counters = torch.zeros(router_gemv.ROUTER_GEMV_MAX_T, dtype=torch.int32, device=device)
     outs = []
     for _ in range(2):
@@ -68,7 +69,7 @@ def _route_case(device, dtype, t, e, k, n_group, topk_group, scoring, method, hi
     ref_w, ref_ids = moe_route(router_logits(x, w), *args, n_shared=n_shared)
     assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
     sel_w, sel_ids = select_experts(torch.nn.functional.linear(x.float(), w.float()),
-                                    RoutingConfig(e, k, scoring, method, n_group, topk_group, True, 2.5), bias)
+                                    RoutingConfig(e, k, scoring, method, n_group, topk_group, norm, scale), bias)
     assert torch.equal(ids[:, :k].long().sort(-1)[0], sel_ids.sort(-1)[0])
 
 
@@ -92,3 +93,19 @@ def test_router_route_rejects_bad_counters(device):
 def test_router_route_bf16_deepseek_shapes(t, e, k, n_group, topk_group, scoring, method):
     hidden = 2048 if e == 64 else 7168
     _route_case("cuda", torch.bfloat16, t, e, k, n_group, topk_group, scoring, method, hidden, 2, seed=t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2, 8, 16])
+def test_router_route_bf16_v2_lite_greedy(t):
+    """V2-Lite's own routing (greedy top-6 of 64, weights not renormalized, scale 1), which the
+    router_route probe found differing from the two launches at this shape on an H100."""
+    _route_case("cuda", torch.bfloat16, t, 64, 6, 1, 1, "softmax", "greedy", 2048, 2, seed=t, norm=False, scale=1.0)
+
+
+def test_fused_route_rule():
+    """One launch for V2/V3-sized routers at decode sizes; two at V2-Lite's hidden size, where the probe
+    timed the fused form slower."""
+    assert router_gemv.fused_route_takes(1, 7168) and router_gemv.fused_route_takes(16, 5120)
+    assert not router_gemv.fused_route_takes(1, 2048)
+    assert not router_gemv.fused_route_takes(router_gemv.FUSED_ROUTE_MAX_T + 1, 7168)

@@ -128,10 +128,11 @@ class TritonRouter(Router):
             return with_shared_experts(*out, self.weight.shape[0], n_shared)
         from dsquant.runtime.kernels.moe import router_gemv
         from dsquant.runtime.kernels.moe.moe_route import moe_route
+        from dsquant.runtime.kernels.moe.router_gemv import ROUTER_GEMV_MAX_T
 
         c = self.routing
         w = self.weight
-        if self._gemv_takes(x, router_gemv.FUSED_ROUTE_MAX_T):
+        if self._gemv_takes(x, ROUTER_GEMV_MAX_T) and router_gemv.fused_route_takes(x.shape[0], x.shape[1]):
             if self.route_counters is None or self.route_counters.device != x.device:
                 self.route_counters = torch.zeros(router_gemv.ROUTER_GEMV_MAX_T, dtype=torch.int32, device=x.device)
             return router_gemv.router_route(x, w, self.route_counters, c.top_k, c.scoring, c.topk_method, c.n_group,
