@@ -140,9 +140,14 @@ from dsquant.cli import main
 sys.argv = ['dsquant', 'bench', 'engine', *'${ENGINE_ARGS:---schemes fp8,bf16 --modes async}'.split(),
             '--peer-batches', '', '--json', '$OUT/engineon${TAG:-}.json']
 main()" > "$OUT/engineon${TAG:-}.txt" 2>&1 ;;  # engine with fused_moe's decode rules at PAIR_N, FUSE_N and MLA decode's split tiles at MLA_TILES, MLA_SMALL_TILES, the one-launch router at ROUTE_N tokens (each unset: the module's default); A/B against engine
-    tpbench) NCCL_NVLS_ENABLE=0 timeout "${TP_S:-500}" python3 -m dsquant bench engine --schemes "${TP_SCHEMES:-int4,bf16,fp8}" \
-            --tensor-parallel-size "${TP_SIZES:-1,2}" --modes async --peer-batches "" --json "$OUT/tpbench.json" \
-            > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (needs N GPUs)
+    tpbench) NCCL_NVLS_ENABLE=0 timeout "${TP_S:-500}" python3 -c "
+import sys
+import dsquant.runtime.parallel.worker as w
+w.TP_CUDA_GRAPHS = bool(${TP_GRAPHS:-0})
+from dsquant.cli import main
+sys.argv = ['dsquant', 'bench', 'engine', '--schemes', '${TP_SCHEMES:-int4,bf16,fp8}', '--tensor-parallel-size',
+            '${TP_SIZES:-1,2}', '--modes', 'async', '--peer-batches', '', '--json', '$OUT/tpbench${TP_GRAPHS:-0}.json']
+main()" > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (needs N GPUs); TP_GRAPHS=1: decode graphs under TP
     tpv2) NCCL_NVLS_ENABLE=0 timeout "${TP_S:-550}" python3 -m dsquant bench engine --model "${TP_MODEL:-v2}" --schemes int4 \
             --tensor-parallel-size "${TP_SIZES:-2}" --modes async --peer-batches "" --json "$OUT/tpv2.json" \
             > "$OUT/tpv2.txt" 2>&1 ;;  # issue 26: DeepSeek-V2's 236B shape in INT4 across GPUs (random weights)

@@ -4,8 +4,9 @@ collectives cost, on the same random model.
 - `allreduce_per_token`: one more batch-1 request with rank 0's all-reduces timed
   (parallel.state.CommTimes: CUDA events around each NCCL call, the host clock under gloo), so
   the figure is the time a decode step spends in its collectives, waiting for the slowest rank
-  included, beside that request's own time per token. Eager steps only: under tensor parallelism
-  the engine does not capture CUDA graphs (runtime/parallel/worker.py).
+  included, beside that request's own time per token. The request decodes eagerly (its graphs set
+  aside; the workers follow rank 0's eager STEPs), since events cannot time the all-reduces inside a
+  CUDA graph: with graphs on (parallel.worker.TP_CUDA_GRAPHS), its time per token is the eager one.
 - `format_tp_table`: each scheme at TP = N against TP = 1 (batch-1 decode, concurrent throughput,
   the all-reduce share of a token's time).
 """
@@ -16,12 +17,13 @@ def allreduce_per_token(engine, prompts: list[list[int]], run_requests, output_l
     """Time the all-reduces of a batch-1 request of `output_len` tokens on a tensor-parallel engine."""
     from dsquant.runtime.parallel.state import CommTimes
 
-    state = engine.runner.parallel
-    state.comm_times = timer = CommTimes()
+    runner = engine.runner
+    state, graphs = runner.parallel, runner.graphs
+    state.comm_times, runner.graphs = (timer := CommTimes()), None
     try:
         run = run_requests(engine, prompts[:1], output_len)
     finally:
-        state.comm_times = None
+        state.comm_times, runner.graphs = None, graphs
     total_s, tokens = timer.total_s(), run["output_tokens"]
     return {"output_tokens": tokens, "calls": timer.calls, "calls_per_token": timer.calls / tokens,
             "allreduce_ms_per_token": 1e3 * total_s / tokens, "tpot_ms": run["tpot_ms"],

@@ -3,13 +3,20 @@
 Every call that runs collectives on rank 0 (a step's forward, the CUDA memory profile) is first
 announced on the control group, so all ranks enter the same collectives in the same order:
   header  int64 [4]: command, payload length, argument, 0
-  STEP    payload int64: [T, B, W, S, input_ids T, positions T, slot_mapping T, q_lens B,
-          seq_lens B, block_tables B*W, logits_indices S]; every rank runs ModelRunner.forward
-          (rank 0 samples from the gathered logits, workers drop theirs)
+  STEP    argument EAGER: payload int64 [T, B, W, S, input_ids T, positions T, slot_mapping T,
+          q_lens B, seq_lens B, block_tables B*W, logits_indices S]; every rank runs
+          ModelRunner.forward (rank 0 samples from the gathered logits, workers drop theirs)
+          argument GRAPH: payload int64 [n, W, input_ids n, positions n, slot_mapping n, seq_lens n,
+          block_tables n*W], what rank 0 staged for a decode graph; every rank stages the same
+          values into its own graph buffers and replays its graph of n's bucket
   ALLOC   argument = num_blocks: allocate the KV cache
   PROFILE argument = gpu_memory_utilization * 1e6: profile, then agree on the minimum num_blocks
+  CAPTURE capture the decode CUDA graphs (their warm-ups and captures run the same collectives in
+          the same order on every rank), then agree: if any rank failed, every rank decodes eagerly
   STOP    leave the loop
-CUDA graphs are not captured under tensor parallelism (each replay would have to be announced).
+CUDA graphs under tensor parallelism hold the NCCL all-reduces and the logits gather. They are
+captured only with TP_CUDA_GRAPHS on, which stays off until a run on several GPUs has checked
+capture and replay (`TP_GRAPHS=1 bash scripts/gpu.sh tpbench`); the CPU tests cover the staging.
 """
 from __future__ import annotations
 
@@ -24,8 +31,10 @@ from dsquant.runtime.engine.model_runner import ModelRunner, StepInputs
 from dsquant.runtime.parallel.state import ParallelState, broadcast_ints, destroy_parallel, init_parallel, min_over_ranks
 
 log = logging.getLogger(__name__)
-STEP, ALLOC, PROFILE, STOP = 1, 2, 3, 4
+STEP, ALLOC, PROFILE, STOP, CAPTURE = 1, 2, 3, 4, 5
+EAGER, GRAPH = 0, 1  # STEP's argument
 HEADER = 4
+TP_CUDA_GRAPHS = False  # capture decode graphs under tensor parallelism (see the module docstring)
 
 
 def send(state: ParallelState, command: int, arg: int = 0, payload: torch.Tensor | None = None) -> None:
@@ -42,6 +51,39 @@ def pack_step(inputs: StepInputs) -> torch.Tensor:
              torch.tensor(ctx.q_lens_host), torch.tensor(ctx.seq_lens_host), ctx.block_tables.cpu().flatten(),
              inputs.logits_indices.cpu()]
     return torch.cat([p.to(torch.int64) for p in parts])
+
+
+def pack_graph_step(graphs, n: int, width: int) -> torch.Tensor:
+    """The GRAPH payload of n decodes rank 0 has staged into `graphs` (DecodeGraphs), whose block
+    tables are `width` wide: one device -> host read."""
+    g = graphs
+    staged = torch.cat([g.input_ids[:n], g.positions[:n], g.slot_mapping[:n], g.seq_lens[:n].to(torch.int64),
+                        g.block_tables[:n, :width].to(torch.int64).flatten()])
+    return torch.cat([torch.tensor([n, width]), staged.cpu()])
+
+
+def run_graph_step(runner: ModelRunner, payload: torch.Tensor) -> torch.Tensor:
+    """A worker's half of a graph step: stage rank 0's decode inputs into this rank's graph buffers
+    and replay; returns this rank's graph output (its logits shard; rank 0 alone samples)."""
+    n, width = payload[:2].tolist()
+    ids, pos, slots, seq_lens, table = torch.split(payload[2:], [n, n, n, n, n * width])
+    runner.graphs.stage(runner.packed, ids.tolist(), pos.tolist(), slots.tolist(), seq_lens.tolist(),
+                        table.tolist(), width, [])
+    return runner.graphs.replay(n)
+
+
+def capture_on_every_rank(runner: ModelRunner, state: ParallelState) -> None:
+    """Capture this rank's decode graphs (the base ModelRunner's capture, all-reduce timing off:
+    no timing events inside a graph), then agree with the other ranks; any failure: all eager."""
+    timer, state.comm_times = state.comm_times, None
+    try:
+        ModelRunner.capture_cuda_graphs(runner)
+    finally:
+        state.comm_times = timer
+    if min_over_ranks(int(runner.graphs is not None), state) == 0:
+        if runner.graphs is not None:
+            log.warning("tensor parallel: another rank could not capture its CUDA graphs; decoding eagerly")
+        runner.graphs = None
 
 
 def run_packed_step(runner: ModelRunner, payload: torch.Tensor) -> None:
@@ -66,7 +108,11 @@ class DriverRunner(ModelRunner):
 
     def prepare(self, batch) -> StepInputs:
         inputs = super().prepare(batch)
-        send(self.parallel, STEP, payload=pack_step(inputs))
+        if inputs.graph:
+            width = max(len(s.block_table) for s in batch.seqs)  # as ModelRunner.prepare staged it
+            send(self.parallel, STEP, GRAPH, pack_graph_step(self.graphs, inputs.input_ids.shape[0], width))
+        else:
+            send(self.parallel, STEP, EAGER, pack_step(inputs))
         return inputs
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -84,7 +130,14 @@ class DriverRunner(ModelRunner):
         return min_over_ranks(num_blocks, self.parallel)
 
     def capture_cuda_graphs(self) -> None:
-        log.info("tensor parallel: decoding eagerly (no CUDA graphs)")
+        c = self.config
+        if c.device.type != "cuda" or c.enforce_eager:
+            return
+        if not TP_CUDA_GRAPHS:
+            log.info("tensor parallel: decoding eagerly (TP_CUDA_GRAPHS off)")
+            return
+        send(self.parallel, CAPTURE)
+        capture_on_every_rank(self, self.parallel)
 
 
 @dataclass
@@ -107,11 +160,13 @@ def serve_steps(runner: ModelRunner, state: ParallelState) -> None:
         command, n, arg, _ = broadcast_ints(None, HEADER, state).tolist()
         payload = broadcast_ints(None, n, state) if n else None
         if command == STEP:
-            run_packed_step(runner, payload)
+            (run_graph_step if arg == GRAPH else run_packed_step)(runner, payload)
         elif command == ALLOC:
             runner.allocate_kv_cache(arg)
         elif command == PROFILE:
             min_over_ranks(runner.profile_num_blocks(arg / 1e6), state)
+        elif command == CAPTURE:
+            capture_on_every_rank(runner, state)
         elif command == STOP:
             return
         else:
