@@ -112,11 +112,13 @@ def hidden_states(t: int, h: int, dtype, device, seed: int = 0) -> torch.Tensor:
     return realistic_activations(t, h, seed=seed, device=device, dtype=dtype)
 
 
-def random_topk(t: int, e: int, k: int, device, experts=None):
-    """Distinct experts per token (drawn from `experts` when given) and positive weights."""
-    pool = torch.arange(e, device=device) if experts is None else torch.tensor(experts, device=device)
-    ids = torch.stack([pool[torch.randperm(len(pool), device=device)[:k]] for _ in range(t)])
-    return torch.rand(t, k, device=device) + 0.1, ids
+def random_topk(t: int, e: int, k: int, device, experts=None, seed: int | None = None):
+    """Distinct experts per token (drawn from `experts` when given) and positive weights; from the
+    global RNG, or from `seed` (the same draw whatever ran before, e.g. under xdist)."""
+    g = None if seed is None else torch.Generator().manual_seed(seed)
+    pool = torch.arange(e) if experts is None else torch.tensor(experts)
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]] for _ in range(t)])
+    return (torch.rand(t, k, generator=g) + 0.1).to(device), ids.to(device)
 
 
 def pair_reference(a, dense, ids, a_row_div, gated, tw=None):

@@ -277,7 +277,7 @@ def test_fused_moe_v2_lite_bf16_full_size(fmt, t, device):
     INT4 GEMV path; 517, 4096: the grouped GEMMs)."""
     weights, d13, d2 = v2_lite_experts(fmt)
     hidden = hidden_states(t, V2_LITE["hidden"], torch.bfloat16, device, seed=t)
-    tw, ids = with_shared_experts(*random_topk(t, 64, 6, device), 64, 2)
+    tw, ids = with_shared_experts(*random_topk(t, 64, 6, device, seed=t), 64, 2)
     _check(fmt, weights, d13, d2, hidden, tw, ids)
 
 
@@ -292,7 +292,7 @@ def test_fused_moe_v2_lite_decode_rules_on(fmt, t, monkeypatch, device):
     monkeypatch.setattr(fm, "FP8_FUSE_QUANT_MAX_TOKENS", 2)
     weights, d13, d2 = v2_lite_experts(fmt)
     hidden = hidden_states(t, V2_LITE["hidden"], torch.bfloat16, device, seed=20 + t)
-    tw, ids = with_shared_experts(*random_topk(t, 64, 6, device), 64, 2)
+    tw, ids = with_shared_experts(*random_topk(t, 64, 6, device, seed=t), 64, 2)
     _check(fmt, weights, d13, d2, hidden, tw, ids)
 
 

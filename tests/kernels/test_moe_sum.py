@@ -55,6 +55,17 @@ def test_moe_sum_strided_pieces(device):
     _check(pieces, weights, 1, None, torch.randn(4, 80, device=device), exact=True)
 
 
+def test_moe_sum_skips_weight_zero_pieces(device):
+    """A routed piece of weight 0 is not read (a pair on another rank: fused_moe leaves it unwritten):
+    NaN there changes nothing; the folded shared columns are read whatever their weight."""
+    pieces, weights, _, residual = _inputs(3, 5, 96, torch.float16, device)
+    weights[0, 1] = weights[2, 0] = weights[2, 2] = 0.0
+    ref = reference(pieces, weights, 1, None, residual)
+    pieces[0, 1] = pieces[2, 0] = pieces[2, 2] = float("nan")
+    got = moe_sum(pieces, weights, 1, None, residual)
+    torch.testing.assert_close(got, ref)
+
+
 def test_moe_sum_rejects_mismatched_shapes(device):
     pieces, weights, shared, residual = _inputs(2, 3, 16, torch.float32, device)
     with pytest.raises(ValueError, match="residual has shape"):

@@ -46,7 +46,8 @@ ROUTES = [(8, 2, 1, 1, "softmax", "greedy"), (64, 6, 8, 3, "softmax", "group_lim
 def _route_case(device, dtype, t, e, k, n_group, topk_group, scoring, method, hidden, n_shared, seed,
                 norm=True, scale=2.5):
     """router_route into poisoned outputs against router_logits + moe_route (the two launches it fuses:
-    the same logits, so the same bits) and against select_experts on the float32 logits (as sets); the
+    the same logits, so the same ids, and the same weights to the bit except softmax weights on a GPU,
+    whose denominator sums in another order: within fp32 rounding) and against select_experts on the float32 logits (as sets); the
     counters are left zero, and a second launch gives the same bits."""
     from dsquant.models.routing import RoutingConfig, select_experts
     from dsquant.runtime.kernels.moe.moe_route import moe_route
@@ -67,7 +68,11 @@ def _route_case(device, dtype, t, e, k, n_group, topk_group, scoring, method, hi
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     weights, ids = outs[0]
     ref_w, ref_ids = moe_route(router_logits(x, w), *args, n_shared=n_shared)
-    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+    assert torch.equal(ids, ref_ids)
+    if device == "cpu" or scoring == "sigmoid":
+        assert torch.equal(weights, ref_w)
+    else:  # softmax's denominator sums all E slots, over router_route's 4 warps vs moe_route's 1-2 on a GPU
+        torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=0)
     sel_w, sel_ids = select_experts(torch.nn.functional.linear(x.float(), w.float()),
                                     RoutingConfig(e, k, scoring, method, n_group, topk_group, norm, scale), bias)
     assert torch.equal(ids[:, :k].long().sort(-1)[0], sel_ids.sort(-1)[0])
@@ -98,8 +103,9 @@ def test_router_route_bf16_deepseek_shapes(t, e, k, n_group, topk_group, scoring
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 2, 8, 16])
 def test_router_route_bf16_v2_lite_greedy(t):
-    """V2-Lite's own routing (greedy top-6 of 64, weights not renormalized, scale 1), which the
-    router_route probe found differing from the two launches at this shape on an H100."""
+    """V2-Lite's own routing (greedy top-6 of 64, softmax weights not renormalized, scale 1): on an H100
+    the weights differed from the two launches' in the last bits (ids equal), the softmax sum running
+    over 4 warps here and 1 in moe_route."""
     _route_case("cuda", torch.bfloat16, t, 64, 6, 1, 1, "softmax", "greedy", 2048, 2, seed=t, norm=False, scale=1.0)
 
 

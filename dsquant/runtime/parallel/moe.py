@@ -29,10 +29,11 @@ class ExpertParallel:
         # x [T, hidden]; topk_ids (global ids), topk_weights [T, k] -> partial sum [T, hidden]
         if isinstance(self.inner, LoopMoE):
             return self._loop(module, x, topk_ids, topk_weights)
-        # grouped backends (FusedMoE) stacked only the local experts: renumber from 0, and give
-        # assignments to other ranks' experts weight 0 (they still cost a row of compute)
+        # grouped backends (FusedMoE) stacked only the local experts: renumber from 0; assignments to
+        # other ranks' experts get id -1 and weight 0, which fused_moe skips (no weight read, no row of
+        # compute: moe_align drops them, the GEMVs and pair blocks read nothing, moe_sum skips weight 0)
         local = (topk_ids >= self.start) & (topk_ids < self.stop)
-        ids = torch.where(local, topk_ids - self.start, torch.zeros_like(topk_ids))
+        ids = torch.where(local, topk_ids - self.start, torch.full_like(topk_ids, -1))
         return self.inner.experts(module, x, ids, topk_weights * local)
 
     def _loop(self, module, x, topk_ids, topk_weights):

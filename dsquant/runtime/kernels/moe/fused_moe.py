@@ -23,6 +23,9 @@ align launch (moe_align.one_block_per_pair); up to FP8_FUSE_QUANT_MAX_TOKENS, fp
 the activations inside the GEMMs (off: it lost on the GPU, see below).
 INT4 experts with prefill-sized batches (DEQUANT_MIN_PAIRS_PER_EXPERT) are dequantized once per call
 and run the bf16 grouped GEMMs (int4_dequant.py says why).
+A pair with a negative expert id and weight 0 is not here (expert parallelism: the expert is on another
+rank, parallel/moe.py): on every path it reads no weight (moe_align drops it, the GEMVs mask it, a pair
+block of it returns), its piece is left unwritten or zero, and moe_sum does not read weight-0 pieces.
 """
 from __future__ import annotations
 

@@ -39,9 +39,10 @@ class MoeAlignment:
 
 
 def one_block_per_pair(topk_ids: torch.Tensor, block_m: int) -> MoeAlignment:
-    """topk_ids [T, top_k] (ids in [0, E)) -> the alignment where block b holds pair b alone: no
-    launch, expert_ids a view of topk_ids. Exact for any batch, but a pair of an expert another
-    pair also has reads that expert's weights again, so it suits one token (distinct experts)."""
+    """topk_ids [T, top_k] (ids in [0, E), or negative: a block moe_gemm skips) -> the alignment where
+    block b holds pair b alone: no launch, expert_ids a view of topk_ids. Exact for any batch, but a
+    pair of an expert another pair also has reads that expert's weights again, so it suits one token
+    (distinct experts)."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, top_k], got {tuple(topk_ids.shape)}")
     flat = topk_ids.reshape(-1)

@@ -98,6 +98,8 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
             return
         pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # PAIR_BLOCKS: a pair whose expert is on another rank (fused_moe's negative ids)
+        return
     row_mask = pair < num_pairs
     a_row = (pair // a_row_div).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]

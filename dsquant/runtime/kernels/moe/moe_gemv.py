@@ -175,9 +175,11 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
+    here = expert >= 0  # a negative id: the expert is on another rank; no weight is read, the sums stay 0
+    expert = tl.maximum(expert, 0)
     a_off = (pair // a_row_div).to(tl.int64) * stride_am
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = offs_n < N
+    n_mask = (offs_n < N) & here
     s_off = expert * stride_se + offs_n * stride_s2  # [BN]
     t_lo, t_hi = split_range(pid_k, K // 128, split_k)
     k_lo = t_lo * 128

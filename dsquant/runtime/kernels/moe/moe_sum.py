@@ -12,7 +12,9 @@ roundings to the activation dtype, written rnd():
              rnd(routed + shared[t])                           if shared is given
     out    = rnd(residual[t] + mlp)                            if residual is given
 (Only a folded shared MLP differs from the reference by construction: its n pieces are each rounded
-before they are summed, where the dense MLP rounds once.) One program per (token, BLOCK_H columns).
+before they are summed, where the dense MLP rounds once.) A routed piece of weight 0 is not read, so
+it may hold anything (fused_moe leaves the pieces of pairs with a negative expert id unwritten). One
+program per (token, BLOCK_H columns).
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ def _moe_sum_kernel(pieces_ptr, weights_ptr, shared_ptr, res_ptr, out_ptr, hidde
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(0, top_k):
         w = tl.load(weights_ptr + t * stride_wt + j)
-        acc += tl.load(row + j * stride_pp, mask=mask, other=0.0).to(tl.float32) * w
+        if w != 0.0:  # a weight-0 pair adds nothing, and its piece may be unwritten (expert parallelism)
+            acc += tl.load(row + j * stride_pp, mask=mask, other=0.0).to(tl.float32) * w
     mlp = acc.to(dtype).to(tl.float32)
     if N_SHARED > 0:
         sh = tl.zeros([BLOCK_H], dtype=tl.float32)

@@ -15,7 +15,8 @@ scripts/router_route_probe.py on an H100 (2026-12-06; 26 routers cycled in one C
 call, two launches against one): V3's router (256 experts, hidden 7168) 16.05 / 13.58 at T = 1, 15.76
 / 14.52 at T = 16, bit-identical; V2-Lite's (64, 2048) 3.97 / 5.42 at T = 1, 4.44 / 6.15 at T = 16,
 where the last program's serial routing outlasts the small GEMV (and the V2-Lite engine at batch 1
-ran 486.8 against 496.0 tok/s with it on).
+ran 486.8 against 496.0 tok/s with it on). The ids equal the two launches'; softmax weights agree to
+fp32 rounding only (this launch's 4 warps sum the denominator in another order than moe_route's 1-2).
 """
 from __future__ import annotations
 
