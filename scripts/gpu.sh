@@ -13,6 +13,7 @@
 #               moegemv (scripts/moe_gemv_probe.py: the INT4 MoE GEMV with and without its dequantization),
 #               moeq (scripts/moe_decode_probe.py: MoE decode with and without align / in-GEMM fp8 quant),
 #               routeq (scripts/router_route_probe.py: router logits + routing in one launch against two),
+#               alignq (scripts/moe_align_probe.py: moe_align's one-hot, sort and torch methods),
 #               fp8dec (scripts/fp8_decode_probe.py: FP8 decode GEMV forms, L2-cold), attention,
 #               kvfp8 (FP8-KV-cache decode rows), kvsweep (their launch configs: scripts/kvfp8_sweep.py),
 #               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), mlashort (short contexts:
@@ -101,6 +102,8 @@ for step in "$@"; do
             > "$OUT/moe_gemv_probe.txt" 2>&1 ;;
     fp8dec) timeout "${FP8DEC_S:-200}" python3 scripts/fp8_decode_probe.py "$OUT/fp8dec.json" ${FP8DEC_ARGS:-} \
         > "$OUT/fp8dec.txt" 2>&1 ;;
+    alignq) timeout "${ALIGNQ_S:-150}" python3 scripts/moe_align_probe.py "$OUT/alignq.json" ${ALIGNQ_ARGS:-} \
+            > "$OUT/alignq.txt" 2>&1 ;;
     routeq) timeout "${ROUTEQ_S:-120}" python3 scripts/router_route_probe.py "$OUT/routeq.json" ${ROUTEQ_ARGS:-} \
             > "$OUT/routeq.txt" 2>&1 ;;
     moeq) timeout "${MOEQ_S:-150}" python3 scripts/moe_decode_probe.py "$OUT/moeq.json" ${MOEQ_ARGS:-} \
@@ -192,7 +195,7 @@ main()" > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/gpukernels.txt "$OUT"/gpurest.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
-for f in mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe routeq engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill tpbench tpv2; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+for f in mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe routeq alignq engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill tpbench tpv2; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
 # what comes back is limited in files: everything in one archive (steps.txt beside it)

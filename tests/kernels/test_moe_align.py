@@ -34,20 +34,20 @@ def _check(topk_ids, num_experts, block_m, device, method="triton"):
 
 @pytest.mark.parametrize("t,top_k,num_experts,block_m", [
     (1, 6, 64, 16), (7, 2, 8, 16), (33, 6, 64, 32), (200, 8, 256, 64), (5, 3, 4, 1), (64, 6, 66, 16)])
-@pytest.mark.parametrize("method", ["triton", "torch"])
+@pytest.mark.parametrize("method", ["triton", "sort", "torch"])
 def test_align_groups_pairs_by_expert(t, top_k, num_experts, block_m, method, device):
     ids = torch.stack([torch.randperm(num_experts, device=device)[:top_k] for _ in range(t)])
     _check(ids, num_experts, block_m, device, method)
 
 
-@pytest.mark.parametrize("method", ["triton", "torch"])
+@pytest.mark.parametrize("method", ["triton", "sort", "torch"])
 def test_align_with_empty_experts_and_repeats(method, device):
     """Only experts 2 and 9 of 16 receive pairs (the rest none), some pairs share a token's expert."""
     ids = torch.tensor([[2, 9], [9, 2], [2, 9], [9, 9]], device=device)
     _check(ids, 16, 4, device, method)
 
 
-@pytest.mark.parametrize("method", ["triton", "torch"])
+@pytest.mark.parametrize("method", ["triton", "sort", "torch"])
 def test_align_drops_out_of_range_ids(method, device):
     ids = torch.tensor([[0, -1], [5, 3]], device=device)
     _check(ids, 4, 4, device, method)
@@ -55,13 +55,30 @@ def test_align_drops_out_of_range_ids(method, device):
 
 @pytest.mark.gpu
 def test_align_full_size_both_methods(device):
-    """V2-Lite at T=4096 (66 experts with the shared ones, 8 pairs a token) and V3 at T=512."""
-    for t, e, k in ((4096, 66, 8), (512, 256, 8)):
+    """V2-Lite at T=4096 (66 experts with the shared ones, 8 pairs a token) and V3 at T=512; "sort" (one
+    tile of pairs) at V3's T = 512 and at V2-Lite's decode batch of 64 with some pairs dropped."""
+    for t, e, k in ((4096, 66, 8), (512, 256, 8), (64, 66, 8)):
         ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(t)])
-        for method in ("triton", "torch"):
+        for method in ("triton", "torch") + (("sort",) if t * k <= 4096 else ()):
             _check(ids, e, 64, device, method)
 
 
 def test_align_rejects_bad_block(device):
     with pytest.raises(ValueError, match="power of two"):
         moe_align_block_size(torch.zeros(2, 2, dtype=torch.long, device=device), 4, 24)
+
+
+def test_align_rejects_bad_method_and_too_many_pairs_for_sort(device):
+    with pytest.raises(ValueError, match="method"):
+        moe_align_block_size(torch.zeros(2, 2, dtype=torch.long, device=device), 4, 4, method="bitonic")
+    with pytest.raises(ValueError, match="at most"):
+        moe_align_block_size(torch.zeros(1025, 4, dtype=torch.long, device=device), 4, 4, method="sort")
+
+
+@pytest.mark.parametrize("method", ["triton", "sort"])
+def test_align_remote_pairs_and_a_power_of_two_expert_count(method, device):
+    """64 experts (bin 64 of the sort holds the dropped pairs: BLOCK_E 128) with every third pair remote (-1)."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(64, generator=g)[:8] for _ in range(24)])
+    ids.view(-1)[::3] = -1
+    _check(ids.to(device), 64, 16, device, method)

@@ -9,10 +9,14 @@ the flattened index t * top_k + j. Outputs (fixed sizes, so the launch is CUDA-g
 - num_tokens_post_padded int32 [1]: rows in use (a multiple of BLOCK_M).
 max_padded = T*top_k + min(E, T*top_k) * (BLOCK_M - 1), rounded up to BLOCK_M: at most that many
 experts receive pairs, each wasting at most BLOCK_M - 1 rows.
-Two implementations with identical outputs: "triton", one program doing it all (two passes over
+Three implementations with identical outputs: "triton", one program doing it all (two passes over
 the pairs, one-hot counts and in-chunk prefix sums), a single small launch, which is what decode
-wants, but its cost grows with T*top_k*E; and "torch", a stable argsort plus scatters (about a
-dozen launches, all capturable), which wins for large batches. "auto" picks by the pair count.
+wants, but its cost grows with T*top_k*E (25.5 us for V2-Lite's 512 pairs of 66 experts on an H100,
+2026-12-06, about 9% of a 64-sequence INT4 decode step); "sort", one program that counts with
+tl.histogram and places every pair at once from a bitonic tl.sort of (expert, pair) keys, up to
+SORT_MAX_PAIRS pairs (untimed on a GPU: `bash scripts/gpu.sh alignq`; not yet chosen by "auto"); and
+"torch", a stable argsort plus scatters (about a dozen launches, all capturable), which wins for
+large batches. "auto" picks by the pair count.
 `one_block_per_pair` is the launch-free alternative for one token (its pairs have distinct experts):
 block b is pair b alone, expert_ids = topk_ids.flat, no sorted ids (moe_gemm's PAIR_BLOCKS).
 """
@@ -90,12 +94,50 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
         seen += tl.sum(onehot, axis=0)
 
 
+@triton.jit
+def _moe_align_sort_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
+                           num_pairs, num_experts, max_padded, max_blocks,
+                           BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, NP: tl.constexpr,
+                           FILL: tl.constexpr, BLOCKS: tl.constexpr):
+    """One program, the pairs in one [NP] tile (NP >= num_pairs, a power of two; BLOCK_E > num_experts).
+    Counts by tl.histogram (dropped pairs in bin E), then keys bin * NP + pair sorted ascending: the
+    i-th key's pair goes to row starts[e] + i - first[e], first[e] being how many pairs precede
+    expert e's (pair order kept, as the keys break ties by pair index)."""
+    offs = tl.arange(0, NP)  # [NP]
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+    valid = (offs < num_pairs) & (ids >= 0) & (ids < num_experts)
+    bins = tl.where(valid, ids, num_experts)  # [NP]
+    e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    counts = tl.where(e < num_experts, tl.histogram(bins, BLOCK_E), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BLOCK_E]
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    first = tl.cumsum(counts, axis=0) - counts
+    total = tl.sum(padded, axis=0)
+    tl.store(num_post_pad_ptr, total)
+    for start in range(0, max_padded, FILL):
+        o = start + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + o, tl.zeros([FILL], dtype=tl.int32) + num_pairs, mask=o < max_padded)
+    for start in range(0, max_blocks, BLOCKS):
+        b = start + tl.arange(0, BLOCKS)  # [BLOCKS] block index
+        row0 = b * BLOCK_M
+        expert = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), axis=1)  # experts ending before
+        tl.store(expert_ids_ptr + b, tl.where(row0 < total, expert, -1), mask=b < max_blocks)
+    tl.debug_barrier()  # the sentinel fill must land before the scatter below
+    key = tl.sort(bins * NP + offs)  # [NP] by expert, then pair
+    sbin = key // NP
+    e_of = tl.minimum(sbin, BLOCK_E - 1)
+    row = tl.gather(starts, e_of, 0) + offs - tl.gather(first, e_of, 0)
+    tl.store(sorted_ids_ptr + row, key % NP, mask=sbin < num_experts)
+
+
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     return triton.cdiv(rows, block_m) * block_m
 
 
 TRITON_MAX_PAIRS = 2048  # "auto" uses the single-program kernel up to this many pairs
+SORT_MAX_PAIRS = 4096  # "sort" holds the pairs in one tile of up to this many
 
 
 def _align_torch(flat, num_experts, block_m, sorted_ids, expert_ids, num_post):
@@ -146,14 +188,26 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
         expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
         num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    if method not in ("auto", "triton", "sort", "torch"):
+        raise ValueError(f"moe_align method must be auto, triton, sort or torch, got {method!r}")
+    if method == "sort" and num_pairs > SORT_MAX_PAIRS:
+        raise ValueError(f"moe_align method 'sort' takes at most {SORT_MAX_PAIRS} pairs, got {num_pairs}")
     if method == "torch" or (method == "auto" and num_pairs > TRITON_MAX_PAIRS):
         _align_torch(flat, num_experts, block_m, sorted_ids, expert_ids, num_post)
         return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, num_pairs)
-    block_e = max(16, triton.next_power_of_2(num_experts))
     max_blocks = max_padded // block_m
-    chunk = max(16, min(128, 8192 // block_e, triton.next_power_of_2(num_pairs)))
-    blocks = max(16, min(128, 8192 // block_e, triton.next_power_of_2(max_blocks)))
+    blocks_tile = lambda block_e: max(16, min(128, 8192 // block_e, triton.next_power_of_2(max_blocks)))  # noqa: E731
     fill = max(16, min(1024, triton.next_power_of_2(max_padded)))
+    if method == "sort":
+        block_e = max(16, triton.next_power_of_2(num_experts + 1))  # bin E holds the dropped pairs
+        np_tile = max(16, triton.next_power_of_2(num_pairs))
+        _moe_align_sort_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, num_pairs, num_experts,
+                                     max_padded, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e, NP=np_tile,
+                                     FILL=fill, BLOCKS=blocks_tile(block_e), num_warps=4 if np_tile <= 512 else 8)
+        return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, num_pairs)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    chunk = max(16, min(128, 8192 // block_e, triton.next_power_of_2(num_pairs)))
+    blocks = blocks_tile(block_e)
     small = chunk * block_e <= 2048 and blocks * block_e <= 2048  # a decode step's tiles: 4 warps are plenty
     _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, num_pairs, num_experts,
                             max_padded, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
