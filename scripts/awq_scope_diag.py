@@ -43,6 +43,8 @@ VARIANTS = {  # name -> (module patterns left at RTN, clip, extra AWQ options)
     "inspect8": ((), "true", ", inspect_samples: 8"),  # the layer-output loss on 8 / 16 / 32 sequences
     "inspect16": ((), "true", ", inspect_samples: 16"),
     "inspect32": ((), "true", ", inspect_samples: 32"),
+    "no-duo": ((), "true", ", duo_scaling: false"),  # scales from the activations alone (s = x_mean^a)
+    "grid40": ((), "true", ", grid: 40"),
 }
 
 

@@ -54,6 +54,28 @@ def one_block_per_pair(topk_ids: torch.Tensor, block_m: int) -> MoeAlignment:
 
 
 @triton.jit
+def _lay_out_segments(counts, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, max_padded, max_blocks,
+                      BLOCK_M: tl.constexpr, FILL: tl.constexpr, BLOCKS: tl.constexpr):
+    """From the pairs per expert, counts [BLOCK_E] (0 past E): store num_tokens_post_padded, the sentinel
+    in every row (FILL rows a pass) and each BLOCK_M block's expert (BLOCKS blocks a pass); return each
+    expert's first row [BLOCK_E]. Ends with a barrier, so the fill lands before the caller's scatter."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BLOCK_E]
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_post_pad_ptr, total)
+    for start in range(0, max_padded, FILL):
+        offs = start + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + offs, tl.zeros([FILL], dtype=tl.int32) + num_pairs, mask=offs < max_padded)
+    for start in range(0, max_blocks, BLOCKS):
+        b = start + tl.arange(0, BLOCKS)  # [BLOCKS] block index
+        row0 = b * BLOCK_M
+        expert = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), axis=1)  # experts ending before
+        tl.store(expert_ids_ptr + b, tl.where(row0 < total, expert, -1), mask=b < max_blocks)
+    tl.debug_barrier()
+    return ends - padded
+
+
+@triton.jit
 def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
                       num_pairs, num_experts, max_padded, max_blocks,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
@@ -68,20 +90,8 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
         ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
         counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
     counts = tl.where(e < num_experts, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BLOCK_E]
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    total = tl.sum(padded, axis=0)
-    tl.store(num_post_pad_ptr, total)
-    for start in range(0, max_padded, FILL):
-        offs = start + tl.arange(0, FILL)
-        tl.store(sorted_ids_ptr + offs, tl.zeros([FILL], dtype=tl.int32) + num_pairs, mask=offs < max_padded)
-    for start in range(0, max_blocks, BLOCKS):
-        b = start + tl.arange(0, BLOCKS)  # [BLOCKS] block index
-        row0 = b * BLOCK_M
-        expert = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), axis=1)  # experts ending before
-        tl.store(expert_ids_ptr + b, tl.where(row0 < total, expert, -1), mask=b < max_blocks)
-    tl.debug_barrier()  # the sentinel fill must land before the scatter below
+    starts = _lay_out_segments(counts, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, max_padded,
+                               max_blocks, BLOCK_M, FILL, BLOCKS)
     seen = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -109,21 +119,9 @@ def _moe_align_sort_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_pos
     bins = tl.where(valid, ids, num_experts)  # [NP]
     e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     counts = tl.where(e < num_experts, tl.histogram(bins, BLOCK_E), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BLOCK_E]
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
     first = tl.cumsum(counts, axis=0) - counts
-    total = tl.sum(padded, axis=0)
-    tl.store(num_post_pad_ptr, total)
-    for start in range(0, max_padded, FILL):
-        o = start + tl.arange(0, FILL)
-        tl.store(sorted_ids_ptr + o, tl.zeros([FILL], dtype=tl.int32) + num_pairs, mask=o < max_padded)
-    for start in range(0, max_blocks, BLOCKS):
-        b = start + tl.arange(0, BLOCKS)  # [BLOCKS] block index
-        row0 = b * BLOCK_M
-        expert = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), axis=1)  # experts ending before
-        tl.store(expert_ids_ptr + b, tl.where(row0 < total, expert, -1), mask=b < max_blocks)
-    tl.debug_barrier()  # the sentinel fill must land before the scatter below
+    starts = _lay_out_segments(counts, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, num_pairs, max_padded,
+                               max_blocks, BLOCK_M, FILL, BLOCKS)
     key = tl.sort(bins * NP + offs)  # [NP] by expert, then pair
     sbin = key // NP
     e_of = tl.minimum(sbin, BLOCK_E - 1)
