@@ -32,6 +32,26 @@ def test_greedy_top_k1_and_tiny_top_p_all_pick_the_argmax():
     assert out.tolist() == logits.argmax(-1).tolist()
 
 
+def test_a_given_greedy_argmax_serves_the_greedy_rows_unless_penalties_change_the_logits():
+    """The decode graph's in-graph argmax (cuda_graph.GREEDY_IN_GRAPH) stands in for greedy_argmax: a
+    greedy batch returns it as is, a mixed batch takes its greedy rows from it, penalties discard it."""
+    from dsquant.runtime.engine.penalties import PenaltyTensors
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 40, generator=g)
+    marker = torch.tensor([7, 11, 13])  # not the argmax: shows where the given one is used
+    greedy = seqs(*[SamplingParams(temperature=0)] * 3)
+    t = SamplingTensors.from_seqs(greedy, 40, "cpu")
+    assert sample(logits, t, greedy=marker) is marker
+    mixed = seqs(SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0))
+    got = sample(logits, SamplingTensors.from_seqs(mixed, 40, "cpu"), torch.Generator().manual_seed(0), greedy=marker)
+    assert got[0] == 7 and got[2] == 13 and got[1] != 11
+    penalized = seqs(*[SamplingParams(temperature=0, presence_penalty=0.5)] * 3)
+    pen = PenaltyTensors.from_seqs(penalized, 40, "cpu")
+    out = sample(logits, SamplingTensors.from_seqs(penalized, 40, "cpu"), penalties=pen, greedy=marker)
+    assert torch.equal(out, pen.apply(logits.clone()).argmax(-1))
+
+
 def test_seeded_request_is_reproducible_regardless_of_batch():
     logits = torch.randn(1, 100)
     p = SamplingParams(temperature=1.0, seed=123)

@@ -103,9 +103,13 @@ def test_prepare_builds_what_the_sequences_say(tiny_models):
 
 
 @pytest.mark.gpu
-def test_graph_decode_equals_eager_with_mixed_sampling(tiny_models):
+@pytest.mark.parametrize("greedy_in_graph", [False, True])
+def test_graph_decode_equals_eager_with_mixed_sampling(tiny_models, greedy_in_graph, monkeypatch):
     """Three decodes (padded to the bucket of 4), greedy and seeded random rows, through the CUDA
-    graphs and eagerly: the same tokens."""
+    graphs (with and without the argmax captured in them) and eagerly: the same tokens."""
+    from dsquant.runtime.engine import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "GREEDY_IN_GRAPH", greedy_in_graph)
     _, path = tiny_models["deepseek_v2"]
     prompts = random_prompts(3, [9, 14, 3], seed=1)
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
@@ -116,6 +120,7 @@ def test_graph_decode_equals_eager_with_mixed_sampling(tiny_models):
         eng = LLMEngine(path, EngineConfig(device="cuda", dtype=torch.float32, block_size=4, num_blocks=64,
                                            max_model_len=64, enforce_eager=enforce_eager, cuda_graph_max_batch=8))
         assert (eng.runner.graphs is None) == enforce_eager
+        assert enforce_eager or bool(eng.runner.graphs.greedy) == greedy_in_graph
         ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
         done = {}
         while eng.has_unfinished():

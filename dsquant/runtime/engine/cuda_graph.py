@@ -12,7 +12,11 @@ to the next bucket with rows that store nothing (slot -1) and attend to nothing 
 the kernels write zeros). Rope
 cos/sin are computed inside the graph from the static positions. The attention kernels are
 launched with max_seq_len = max_model_len so one capture serves every context length. Logits of
-the first n rows are returned; sampling runs outside the graph.
+the first n rows are returned; sampling runs outside the graph. With GREEDY_IN_GRAPH the graph also
+takes each row's argmax (sampler.greedy_argmax) into a static buffer, `greedy_tokens(n)`, which
+sampling uses for its greedy rows: on CUDA that argmax is two Triton launches, whose host-side cost
+(tens of us a step) counts where the host sets the pace (small models). Off until a GPU run checks it
+(the trained-model test, `dsquant demo --device cuda`, and `test_graph_decode_equals_eager_*`).
 """
 from __future__ import annotations
 
@@ -21,7 +25,10 @@ import gc
 import torch
 
 from dsquant.runtime.engine.packed_copy import PackedCopy, layout, views
+from dsquant.runtime.engine.sampler import greedy_argmax
 from dsquant.runtime.layers.attention import PagedContext
+
+GREEDY_IN_GRAPH = False
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -51,6 +58,7 @@ class DecodeGraphs:
         self.rows = torch.arange(b, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.greedy: dict[int, torch.Tensor] = {}  # bucket -> [bucket] int64 argmax, when GREEDY_IN_GRAPH
 
     def _run_model(self, n: int) -> torch.Tensor:
         r = self.runner
@@ -72,12 +80,17 @@ class DecodeGraphs:
         gc.disable()
         try:
             pool = None
+            greedy = GREEDY_IN_GRAPH
             for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-                self._run_model(n)  # warm-up: compiles kernels outside the capture
+                warm = self._run_model(n)  # warm-up: compiles kernels outside the capture
+                if greedy:
+                    greedy_argmax(warm)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[n] = self._run_model(n)
+                    if greedy:
+                        self.greedy[n] = greedy_argmax(self.outputs[n])  # [n] int64
                 pool = graph.pool()
                 self.graphs[n] = graph
             torch.cuda.synchronize()
@@ -96,6 +109,12 @@ class DecodeGraphs:
                           out=self.packed)
         self.block_tables[:n, :width].copy_(out[4].view(n, width))
         return out[5:]
+
+    def greedy_tokens(self, n: int) -> torch.Tensor | None:
+        """The argmax of the last replay's first n rows [n] int64 (a view of a static buffer, rewritten
+        by the next replay of the same bucket), or None when the graphs do not take it."""
+        g = self.greedy.get(self.bucket[n])
+        return None if g is None else g[:n]
 
     def replay(self, n: int) -> torch.Tensor:
         """Run the bucket graph for n staged decodes -> logits [n, vocab]."""

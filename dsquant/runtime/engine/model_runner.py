@@ -232,8 +232,10 @@ class ModelRunner:
         if rec is not None and self.config.device.type == "cuda":
             gpu = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             gpu[0].record()
+        greedy = None
         if inputs.graph:
             logits = self.graphs.replay(inputs.input_ids.shape[0])
+            greedy = self.graphs.greedy_tokens(inputs.input_ids.shape[0])
         else:
             logits = self.forward(inputs.input_ids, inputs.positions, inputs.ctx, inputs.logits_indices)
         n_sample = len(inputs.sampling_seqs)
@@ -242,7 +244,7 @@ class ModelRunner:
         if not inputs.sampling_seqs:
             return None
         logits = logits[:n_sample]
-        tokens = sample(logits, inputs.sampling, self.generator, inputs.penalties)  # outside any CUDA graph
+        tokens = sample(logits, inputs.sampling, self.generator, inputs.penalties, greedy=greedy)  # outside any CUDA graph
         if rec is not None:
             rec.rows = n_sample
             if gpu is not None:

@@ -80,15 +80,17 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, default_generator: torch.Generator | None = None,
-           penalties=None) -> torch.Tensor:
+           penalties=None, greedy: torch.Tensor | None = None) -> torch.Tensor:
     """logits [S, V] -> token ids [S] int64 (on the logits' device). penalties: a PenaltyTensors
-    (penalties.py) applied first, or None (the default path: no extra work)."""
+    (penalties.py) applied first, or None (the default path: no extra work). greedy: the rows' argmax
+    of these logits when already taken ([S] int64, the decode graph's), used unless penalties change them."""
     if penalties is not None:
-        logits = penalties.apply(logits.to(torch.float32))
+        logits, greedy = penalties.apply(logits.to(torch.float32)), None
+    if greedy is None:
+        greedy = greedy_argmax(logits)  # [S]
     if not t.any_random:
-        return greedy_argmax(logits)  # [S]
+        return greedy
     logits = logits.to(torch.float32)
-    greedy = greedy_argmax(logits)  # [S]
     temp = torch.where(t.temperature > 0, t.temperature, torch.ones_like(t.temperature))
     scaled = logits / temp[:, None]
     if t.any_top_k or t.any_top_p:
