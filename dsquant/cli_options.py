@@ -58,6 +58,12 @@ def kv_cache_dtype_option():
                         help=KV_CACHE_DTYPE_HELP)
 
 
+def tensor_parallel_option():
+    """-tp / --tensor-parallel-size, for the engine options and the commands that run the engine outside them."""
+    return click.option("-tp", "--tensor-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
+                        help="Processes to split the model over: one per GPU on cuda, gloo processes on cpu.")
+
+
 def _check_tokenizer(ctx, param, value: str | None) -> str | None:
     if value is not None and not (Path(value) / "tokenizer.json").is_file():
         raise DsquantError(f"--tokenizer {value}: expected a directory holding tokenizer.json")
@@ -69,8 +75,7 @@ _ENGINE_OPTIONS = [
     click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
                  help="Dtype of activations and unquantized weights; auto: the checkpoint's."),
     max_model_len_option(),
-    click.option("-tp", "--tensor-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
-                 help="Processes to split the model over: one per GPU on cuda, gloo processes on cpu."),
+    tensor_parallel_option(),
     click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
                  help="Launch each engine step before reading the previous one's tokens."),
     click.option("--enforce-eager", is_flag=True, help="Run eagerly: no CUDA graphs."),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dsquant.cli_options import device_option, kv_cache_dtype_option
+from dsquant.cli_options import device_option, kv_cache_dtype_option, tensor_parallel_option
 
 DEMO_RECIPES = ("awq-w4g128", "gptq-w4g128", "fp8-block", "mixed-fp8attn-w4experts")
 
@@ -63,13 +63,18 @@ def _finish(rows, paths) -> None:
                    "dsq_prose_cloze_gen (tag dsquant). Needs pip install 'dsquant[lmeval]'.")
 @click.option("--lm-eval-limit", default=None, type=click.IntRange(min=1), help="Examples per lm-eval task.")
 @kv_cache_dtype_option()
+@tensor_parallel_option()
 def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, window, stride,
-             max_eval_tokens, no_latency, latency_rounds, no_peers, lm_eval, lm_eval_limit, kv_cache_dtype):
+             max_eval_tokens, no_latency, latency_rounds, no_peers, lm_eval, lm_eval_limit, kv_cache_dtype,
+             tensor_parallel_size):
     """Accuracy (perplexity, KL, top-1) against latency (TTFT, TPOT, tok/s) for each ARTIFACT.
 
     With --kv-cache-dtype fp8 the artifacts run with the FP8 KV cache (the baseline with the model
     dtype's), and each artifact gets a second row, "NAME [KV fp8_e4m3 vs ...]": the same weights with
-    the FP8 cache against the model-dtype cache, i.e. what the FP8 cache alone costs."""
+    the FP8 cache against the model-dtype cache, i.e. what the FP8 cache alone costs.
+
+    With --tensor-parallel-size N > 1 every model (baseline included) is split over N processes and each
+    window runs as one prefill through the serving engine; latency is measured at that size too."""
     from dataclasses import replace
 
     from dsquant.validate.latency import LatencySpec
@@ -83,6 +88,7 @@ def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, w
     args = ValidateArgs(list(artifacts), baseline, eval_set, max_ppl_increase, out_dir, device, window,
                         stride, max_eval_tokens, not no_latency, peers=not no_peers, lm_eval=lm_eval,
                         lm_eval_limit=lm_eval_limit, kv_cache_dtype=kv_cache_dtype,
+                        tensor_parallel_size=tensor_parallel_size,
                         latency_spec=replace(LatencySpec.for_device(device), rounds=latency_rounds))
     _finish(*run_validate(args, log=lambda m: click.echo(m, err=True)))
 

@@ -92,14 +92,16 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> TimedR
 
 def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtype | None = None,
                     max_num_seqs: int = 64, kv_cache_dtype: str = "auto",
-                    step_times: StepTimes | None = None) -> LatencyResult:
+                    step_times: StepTimes | None = None, tensor_parallel_size: int = 1) -> LatencyResult:
     """`step_times`: record every engine step into it, warm-up included (diagnostics:
-    scripts/engine_variance.py); split_steps' decode_split then comes from its timed steps."""
+    scripts/engine_variance.py); split_steps' decode_split then comes from its timed steps.
+    tensor_parallel_size > 1: the engine splits the model over that many processes (stopped after)."""
     longest = max(spec.ttft_input + 1, spec.throughput_input + spec.throughput_output, spec.tpot_output + 9)
     engine = LLMEngine(path, EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                           max_model_len=longest + 16, enable_prefix_caching=False,
                                           max_num_batched_tokens=max(2048, spec.ttft_input),
-                                          kv_cache_dtype=kv_cache_dtype))
+                                          kv_cache_dtype=kv_cache_dtype,
+                                          tensor_parallel_size=tensor_parallel_size))
     engine.time_steps(step_times)
     vocab = engine.model.config.vocab_size
     _run(engine, _prompts(1, spec.ttft_input, vocab, 99), 1)  # warm-up: compile, graphs, allocator
@@ -115,6 +117,7 @@ def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtyp
     finally:
         if was_enabled:
             gc.enable()
+        engine.close()
         del engine
 
 

@@ -39,6 +39,7 @@ class ValidateArgs:
     lm_eval_limit: int | None = None  # examples per lm-eval task
     kv_cache_dtype: str = "auto"  # the artifacts' KV cache (the baseline keeps the model dtype's); with fp8,
     # each artifact also gets a row against itself with the model-dtype cache: what the FP8 cache costs
+    tensor_parallel_size: int = 1  # > 1: every model runs split over this many processes (tp_accuracy.py)
 
 
 def _dtype(device: str) -> torch.dtype:
@@ -57,6 +58,20 @@ def _runtime_model(path: str, device: str, attention=None):
         moe = FusedMoE()
         backends, prepare = Backends(attention=attention, moe=moe), moe.prepare
     return load_runtime_model(path, backends, dtype=_dtype(device), device=device, prepare_layer=prepare)
+
+
+def _accuracy_model(path: str, args: ValidateArgs, window: int, attention=None):
+    """The model compare() scores: the runtime model, or at tensor_parallel_size > 1 the engine's windows."""
+    if args.tensor_parallel_size > 1:
+        from dsquant.validate.tp_accuracy import EngineWindows
+
+        return EngineWindows(path, args.device, args.tensor_parallel_size, window, _dtype(args.device))
+    return _runtime_model(path, args.device, attention)
+
+
+def _release(model) -> None:
+    if hasattr(model, "close"):  # EngineWindows: stop its workers now, not at exit
+        model.close()
 
 
 def _method(path: str) -> str:
@@ -80,6 +95,9 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
     from dsquant.data.tokenizer import load_tokenizer
 
     lm_spec = None
+    from dsquant.validate.tp_accuracy import check_tp_args
+
+    check_tp_args(args.tensor_parallel_size, args.kv_cache_dtype, args.lm_eval)
     if args.lm_eval is not None:  # fail before any work: lm_eval missing, unknown task
         from dsquant.validate.harness import check_lm_eval, parse_tasks
 
@@ -106,14 +124,14 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
     spec = args.latency_spec or LatencySpec.for_device(args.device)
 
     log(f"baseline {baseline}")
-    base_model = _runtime_model(baseline, args.device)
+    base_model = _accuracy_model(baseline, args, window)
     rows: list[ArtifactRow] = []
     base_acc = {}
     kv_spec = KVCacheSpec(args.kv_cache_dtype, _dtype(args.device))
     for name, path in zip(names, paths):
         log(f"accuracy: {name}" + (f" (KV cache {kv_spec.label})" if kv_spec.fp8 else ""))
         backend = KVCacheRoundTrip(kv_spec)
-        model = _runtime_model(path, args.device, backend)
+        model = _accuracy_model(path, args, window, backend)
         acc = {}
         for s, tokens in streams.items():
             base, res = compare(base_model, {name: model}, tokens, s, window, stride, args.device)
@@ -125,9 +143,12 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
         if kv_spec.fp8:
             log(f"accuracy: {name}, KV cache {kv_spec.label} against {KVCacheSpec('auto', kv_spec.dtype).label}")
             rows.append(_kv_cost_row(name, path, model, backend, kv_spec, streams, window, stride, args.device))
+        _release(model)
         del model
-    if args.peers:
+    tp = args.tensor_parallel_size
+    if args.peers and tp == 1:  # the peers load the baseline in one process
         rows += _peer_rows(args, baseline, base_model, streams, window, stride, base_acc, log)
+    _release(base_model)
     del base_model
     rows.insert(0, ArtifactRow("baseline", baseline, "bf16", _disk_bytes(baseline),
                                {s: asdict(a) for s, a in base_acc.items()}, None, 0.0))
@@ -138,7 +159,8 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
             for row in timed:
                 log(f"latency: {row.name}" + (f" (round {r + 1} of {spec.rounds})" if spec.rounds > 1 else ""))
                 results[id(row)].append(measure_latency(row.path, args.device, spec, dtype=_dtype(args.device),
-                                                        kv_cache_dtype=row.kv_cache_dtype))  # one dtype for all rows
+                                                        kv_cache_dtype=row.kv_cache_dtype,  # one dtype for all rows
+                                                        tensor_parallel_size=tp))
         for row in timed:
             row.latency = asdict(merge_rounds(results[id(row)]))
     if lm_spec is not None:
@@ -153,8 +175,11 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
     meta = {"baseline": baseline, "device": args.device, "device_label": device_label,
             "date": date.today().isoformat(), "window": window, "stride": stride,
             "spec": asdict(spec), "torch": torch.__version__, "kv_cache_dtype": kv_spec.label,
-            "notes": [] if (bitsandbytes_available() or not args.peers)
-            else ["bitsandbytes not installed: its NF4/INT8 peers were not run"]}
+            "tensor_parallel_size": tp,
+            "notes": ([] if (bitsandbytes_available() or not args.peers)
+                      else ["bitsandbytes not installed: its NF4/INT8 peers were not run"])
+            + ([f"tensor-parallel size {tp}: every window ran as one prefill through the serving engine, split "
+                f"over {tp} processes; the bitsandbytes peers (one process) were not run"] if tp > 1 else [])}
     if lm_spec is not None:
         meta["lm_eval"] = {"version": lm_version, "tasks": lm_spec.tasks, "limit": lm_spec.limit,
                            "model": "local-completions over dsquant serve"}

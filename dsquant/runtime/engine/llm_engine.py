@@ -117,6 +117,23 @@ class LLMEngine:
         self.runner.capture_cuda_graphs()
         return num_blocks
 
+    def window_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits [L, vocab] of every position of `ids` run as one prefill through the engine's model
+        (every tensor-parallel rank), in blocks borrowed from the cache and returned; needs an idle
+        engine (nothing running or waiting) and L <= max_model_len."""
+        if self.scheduler.has_unfinished() or self.pending is not None:
+            raise DsquantError("window_logits needs an idle engine: requests are running or waiting")
+        if not 0 < len(ids) <= self.max_model_len:
+            raise DsquantError(f"window_logits: {len(ids)} tokens; the engine holds 1 to {self.max_model_len}")
+        seq = Sequence(-1, "window", list(ids), SamplingParams())
+        if not self.block_manager.can_allocate(seq, len(ids)):
+            raise DsquantError(f"window_logits: {len(ids)} tokens do not fit the KV cache's free blocks")
+        self.block_manager.allocate(seq, len(ids))
+        try:
+            return self.runner.window_logits(seq.token_ids, seq.block_table)
+        finally:
+            self.block_manager.free_seq(seq)
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit); idempotent."""
         if getattr(self, "workers", None) is not None:

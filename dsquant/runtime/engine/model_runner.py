@@ -207,6 +207,28 @@ class ModelRunner:
                                   q_lens, seq_lens)
         return StepInputs(ids_t, pos_t, ctx, rows_t, sampling, spans, SamplingTensors.build(sampling, vocab, samp))
 
+    def announce(self, inputs: StepInputs) -> None:
+        """Before an eager forward outside a scheduled step: nothing here (parallel.worker.DriverRunner
+        sends the step to its workers, which run the same forward and its collectives)."""
+
+    @torch.inference_mode()
+    def window_logits(self, ids: list[int], block_table: list[int]) -> torch.Tensor:
+        """Logits [L, vocab] of every position of one L-token sequence run as a single prefill from
+        position 0, its keys and values written to the blocks `block_table` (the caller's, holding L
+        tokens): a full-sequence forward through the serving path, on every tensor-parallel rank
+        (`dsquant validate --tensor-parallel-size`)."""
+        dev, bs, n = self.config.device, self.config.block_size, len(ids)
+        if n == 0 or len(block_table) * bs < n:
+            raise ValueError(f"window_logits: {n} tokens need {-(-n // bs)} blocks, got {len(block_table)}")
+        i64 = torch.int64
+        pos = torch.arange(n, dtype=i64, device=dev)  # [L]
+        slots = torch.tensor([block_table[p // bs] * bs + p % bs for p in range(n)], dtype=i64, device=dev)
+        table = torch.tensor([block_table], dtype=torch.int32, device=dev)  # [1, W]
+        inputs = StepInputs(torch.tensor(ids, dtype=i64, device=dev), pos,
+                            self.context(pos, slots, table, [n], [n]), pos.clone(), [])
+        self.announce(inputs)
+        return self.forward(inputs.input_ids, inputs.positions, inputs.ctx, inputs.logits_indices)
+
     def forward(self, input_ids, positions, ctx, logits_indices) -> torch.Tensor:
         """input_ids, positions [T] (the batch's tokens, flattened), ctx from `context` -> the logits
         [S, vocab] of rows logits_indices [S]; the CUDA graphs capture this call (cuda_graph.py)."""

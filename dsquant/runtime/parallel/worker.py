@@ -112,8 +112,11 @@ class DriverRunner(ModelRunner):
             width = max(len(s.block_table) for s in batch.seqs)  # as ModelRunner.prepare staged it
             send(self.parallel, STEP, GRAPH, pack_graph_step(self.graphs, inputs.input_ids.shape[0], width))
         else:
-            send(self.parallel, STEP, EAGER, pack_step(inputs))
+            self.announce(inputs)
         return inputs
+
+    def announce(self, inputs: StepInputs) -> None:
+        send(self.parallel, STEP, EAGER, pack_step(inputs))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if not self._profiling:  # the profile's own allocations happen on every rank already
