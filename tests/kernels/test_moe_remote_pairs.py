@@ -39,7 +39,7 @@ def test_remote_pairs_add_nothing(fmt, t, pairs_max, monkeypatch, device):
     h, inter = _shape(fmt)
     weights, d13, d2 = make_experts(fmt, E, h, inter, torch.float16, device, seed=t + pairs_max)
     hidden = hidden_states(t, h, torch.float16, device, seed=t)
-    tw, ids = random_topk(t, E, 3, device)
+    tw, ids = random_topk(t, E, 3, device, seed=10 * t + pairs_max)  # seeded: local and remote pairs both drawn
     keep = [0, 2, 3, 5]  # this rank's experts (ids already renumbered)
     rtw, rids = _remote(tw, ids, keep)
     assert (rids < 0).any() and (rids >= 0).any()
