@@ -26,7 +26,7 @@ import torch
 from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig
 from mla_sweep import NOPE, ROPE, case, fused, graph_us  # noqa: E402
 
-CONFIGS = [(32, 4), (32, 2), (32, 1), (16, 4), (16, 2), (16, 1), (64, 1)]  # (block_n, min_split_tiles)
+CONFIGS = [(32, 4), (32, 2), (32, 1), (16, 4), (16, 2), (16, 1), (64, 1), (32, 8), (32, 16)]  # (block_n, min_split_tiles); 8, 16: coarser splits for large batches
 
 
 def main() -> None:
