@@ -195,7 +195,8 @@ def greedy_with_logits(path, tp: int, monkeypatch, reader_factory=None):
     from dsquant.runtime.engine.sequence import SamplingParams
 
     steps, sample = [], model_runner.sample
-    monkeypatch.setattr(model_runner, "sample", lambda logits, t, g, p=None: (steps.append(logits.clone()), sample(logits, t, g, p))[1])
+    monkeypatch.setattr(model_runner, "sample", lambda logits, t, g, p=None, **kw: (
+        steps.append(logits.clone()), sample(logits, t, g, p, **kw))[1])
     engine = LLMEngine(path, EngineConfig(device="cpu", dtype=torch.float32, tensor_parallel_size=tp,
                                           max_num_seqs=4, max_model_len=128), reader_factory=reader_factory)
     try:
