@@ -103,10 +103,16 @@ def main() -> None:
     ap.add_argument("models", nargs="+")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--greedy-in-graph", action="store_true",
+                    help="capture the greedy argmax in the decode graphs (cuda_graph.GREEDY_IN_GRAPH)")
     args = ap.parse_args()
+    if args.greedy_in_graph:
+        from dsquant.runtime.engine import cuda_graph
+
+        cuda_graph.GREEDY_IN_GRAPH = True
     patch()
     spec = latency_spec([1, 64], args.device)
-    report = {"spec": spec.__dict__, "affinity": sorted(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
+    report = {"spec": spec.__dict__, "greedy_in_graph": args.greedy_in_graph, "affinity": sorted(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
               "instances": []}
     for r in range(args.rounds):
         for path in args.models:

@@ -21,7 +21,7 @@
 #               configs against SDPA: scripts/prefill_sweep.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
 #   engine:     engine, tpbench / tpv2 (tensor parallelism: V2-Lite at TP_SIZES, V2-236B INT4; several GPUs), engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES / MLA_SMALL_TILES, router_route up to ROUTE_N tokens, the greedy argmax inside the decode graphs with GREEDY_GRAPH=1), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
 #               prompt; long32: 32768), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
-#               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split)
+#               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split; GREEDY_GRAPH=1: the argmax in the graphs)
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
 #               v2prof (the same, timed phase by phase: scripts/profile_quantize.py),
 #               validate8 (RTN and FP8 artifacts of that shape validated against it)
@@ -191,7 +191,7 @@ main()" > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (
         done
         pin=""; [ "$step" = variancepin ] && pin="taskset -c ${PIN_CPU:-3}"
         timeout "${VARIANCE_S:-300}" $pin python3 scripts/engine_variance.py "$OUT/$step.json" $M "$W/v-fp8-block" \
-            "$W/v-awq-w4g128" --rounds ${ROUNDS:-3} >> "$OUT/$step.txt" 2>&1 ;;
+            "$W/v-awq-w4g128" --rounds ${ROUNDS:-3} ${GREEDY_GRAPH:+--greedy-in-graph} >> "$OUT/$step.txt" 2>&1 ;;
     *) echo "unknown step $step" | tee -a "$OUT/steps.txt" ;;
   esac
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
