@@ -53,6 +53,11 @@ def _serve(args: tuple, conn) -> None:
 
 class EngineWindows:
     def __init__(self, path: str, device: str, tensor_parallel_size: int, window: int, dtype: torch.dtype):
+        from dsquant.config import load_config
+        from dsquant.runtime.parallel.model import check_tensor_parallel
+
+        check_tensor_parallel(load_config(path), tensor_parallel_size, torch.device(device))  # before any spawn
+        self.process = None
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         threads = max(1, torch.get_num_threads())

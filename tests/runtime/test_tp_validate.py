@@ -67,11 +67,12 @@ def test_validate_at_tp2_gives_tp1s_perplexity_kl_and_top1(tmp_path, one_thread)
 
 
 @pytest.mark.parametrize("extra,match", [(["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
-                                         (["--lm-eval", "dsq_prose_cloze"], "--lm-eval")])
+                                         (["--lm-eval", "dsq_prose_cloze"], "--lm-eval"),
+                                         (["-tp", "3"], "--tensor-parallel-size 3")])
 def test_validate_refuses_what_it_does_not_combine_with_tp(extra, match):
     from dsquant.cli import cli
 
     base = str(bundled_model_path("dsq-tiny-v3"))
     result = CliRunner().invoke(cli, ["validate", base, "--baseline", base, "--device", "cpu", "--no-latency",
-                                       "-tp", "2", *extra])
+                                      "--no-peers", "-tp", "2", *extra])  # a second -tp overrides the first
     assert result.exit_code != 0 and match in str(result.exception or result.output)
