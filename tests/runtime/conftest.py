@@ -37,6 +37,15 @@ def build_hf(family: str, seed: int = 0, **overrides):
     return random_hf_model({**FAMILIES[family], **overrides}, seed)
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (tensor-parallel ranks share a 2-core machine), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """family -> (hf model, checkpoint dir)."""

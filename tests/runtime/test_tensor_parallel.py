@@ -180,13 +180,6 @@ def artifacts(tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two ranks on a 2-core machine
-    yield
-    torch.set_num_threads(threads)
-
 
 def greedy_with_logits(path, tp: int, monkeypatch, reader_factory=None):
     """Greedy tokens per prompt and every step's sampled logits [S, vocab] (rank 0's, gathered)."""

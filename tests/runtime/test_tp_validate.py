@@ -10,13 +10,6 @@ from dsquant.assets import bundled_model_path
 from dsquant.errors import DsquantError
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two ranks on a 2-core machine
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_window_logits_equal_the_runtime_models_full_forward_and_return_their_blocks():
     from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
