@@ -63,6 +63,23 @@ def test_align_full_size_both_methods(device):
             _check(ids, e, 64, device, method)
 
 
+@pytest.mark.parametrize("t,top_k", [(8, 8), (288, 8), (289, 8)])  # 64, 2304 and 2312 pairs
+def test_auto_takes_sort_then_torch(t, top_k, device, monkeypatch):
+    """"auto" is "sort" up to AUTO_SORT_MAX_PAIRS pairs and "torch" beyond, with the same outputs."""
+    import dsquant.runtime.kernels.moe.moe_align as ma
+
+    calls, orig = [], ma._align_torch
+    monkeypatch.setattr(ma, "_align_torch", lambda *a: (calls.append("torch"), orig(*a))[1])
+    g = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(66, generator=g)[:top_k] for _ in range(t)]).to(device)
+    got = moe_align_block_size(ids, 66, 16)
+    assert calls == ([] if t * top_k <= ma.AUTO_SORT_MAX_PAIRS else ["torch"])
+    want = moe_align_block_size(ids, 66, 16, method="torch")
+    for a, b in ((got.sorted_token_ids, want.sorted_token_ids), (got.expert_ids, want.expert_ids),
+                 (got.num_tokens_post_padded, want.num_tokens_post_padded)):
+        assert torch.equal(a, b)
+
+
 def test_align_rejects_bad_block(device):
     with pytest.raises(ValueError, match="power of two"):
         moe_align_block_size(torch.zeros(2, 2, dtype=torch.long, device=device), 4, 24)

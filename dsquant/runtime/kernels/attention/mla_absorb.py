@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.attention.split_kv_merge import split_weights, sum_live_partials
 
 
@@ -59,23 +60,26 @@ def _mla_prepare_kernel(
     cache_ptr, slot_ptr,  # kv_cache as [slots, RANK + ROPE], slot_mapping [T] int64
     num_tokens, num_heads,
     NOPE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_R: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     tmask = t < num_tokens
     p = tl.program_id(1)
     r_tiles: tl.constexpr = RANK // BLOCK_R
     half: tl.constexpr = ROPE // 2
+    is_q = p < num_heads * r_tiles
+    h = tl.minimum(p // r_tiles, num_heads - 1)
+    r = (p % r_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    n = tl.arange(0, NOPE)
+    # W_UK is a weight: read before the PDL wait (pdl.py rule 1); the latent program reads none
+    w_uk = tl.load(w_uk_ptr + (h * NOPE + n[:, None]) * RANK + r[None, :], mask=is_q, other=0.0)  # [NOPE, BLOCK_R]
+    pdl.enter(PDL)
     hi = tl.arange(0, half)[None, :]
     cos = tl.load(cos_ptr + t[:, None] * stride_cs + hi, mask=tmask[:, None], other=0.0)  # [BLOCK_T, half]
     sin = tl.load(sin_ptr + t[:, None] * stride_cs + hi, mask=tmask[:, None], other=0.0)
-    if p < num_heads * r_tiles:
-        h = p // r_tiles
-        r = (p % r_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-        n = tl.arange(0, NOPE)
+    if is_q:
         q_row = t[:, None].to(tl.int64) * stride_qt + h * stride_qh  # [BLOCK_T, 1]
         q_nope = tl.load(q_ptr + q_row + n[None, :], mask=tmask[:, None], other=0.0)  # [BLOCK_T, NOPE]
-        w_uk = tl.load(w_uk_ptr + (h * NOPE + n[:, None]) * RANK + r[None, :])  # [NOPE, BLOCK_R]
         acc = tl.dot(q_nope, w_uk)  # [BLOCK_T, BLOCK_R] fp32
         out_row = (t[:, None].to(tl.int64) * num_heads + h) * RANK
         tl.store(q_abs_ptr + out_row + r[None, :], acc.to(q_abs_ptr.dtype.element_ty), mask=tmask[:, None])
@@ -128,7 +132,7 @@ def mla_prepare(q: torch.Tensor, latent: torch.Tensor, norm_weight: torch.Tensor
         q, q.stride(0), q.stride(1), w_uk, q_abs, latent, latent.stride(0), norm_weight, eps,
         cos, sin, cos.stride(0), kv_cache, slot_mapping, t, heads,
         NOPE=nope, RANK=rank, ROPE=rope, BLOCK_T=block_t, BLOCK_R=block_r, INTERLEAVED=interleaved,
-        num_warps=4 if block_t == 16 else 8)
+        num_warps=4 if block_t == 16 else 8, **pdl.launch(q.device))
     return q_abs
 
 
@@ -139,8 +143,9 @@ def _mla_merge_uv_kernel(
     out_ptr, stride_ot, stride_oh,  # [T, H, V]
     num_heads, num_splits, v_dim,
     RANK: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
@@ -181,5 +186,6 @@ def mla_merge_uv(part_out: torch.Tensor, part_lse: torch.Tensor, w_uv: torch.Ten
         grid = (t, heads, triton.cdiv(v_dim, block_v))
         _mla_merge_uv_kernel[grid](part_out, part_lse, w_uv, out, out.stride(0), out.stride(1),
                                    heads, splits, v_dim, RANK=rank, BLOCK_S=block_s, CHUNK_S=chunk_s,
-                                   BLOCK_R=block_r, BLOCK_V=block_v, num_warps=4)
+                                   BLOCK_R=block_r, BLOCK_V=block_v, num_warps=4,
+                                   **pdl.launch(part_out.device))
     return out

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.attention.kv_fp8_layout import MLA_GROUP, fp8_rope_dtype, mla_fp8_token_bytes, mla_fp8_views
 from dsquant.runtime.kernels.attention.mla_decode_fp8 import MAX_GROUPS, mla_decode_fp8_kernel
 from dsquant.runtime.kernels.attention.mla_decode_fp8_prefetch import mla_decode_fp8_prefetch_kernel
@@ -74,7 +75,9 @@ def _mla_decode_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LONG_MIN: tl.constexpr,
     KV_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, F16: tl.constexpr, MIN_TILES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     split = tl.program_id(2)
@@ -263,6 +266,7 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
     fp8_args = {"F16_DOTS": config.fp8_f16_dots} if folded else {"KV_FP8": fp8, "F16": fp8 and config.fp8_f16_dots}
     if kernel is _mla_decode_kernel:
         fp8_args["MIN_TILES"] = config.min_split_tiles
+        fp8_args.update(pdl.launch(q_nope.device))  # the FP8-cache kernels are launched without PDL
     kernel[(batch, head_blocks, splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1),
         q_pe, q_pe.stride(0), q_pe.stride(1),

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
+
 
 @triton.jit
 def split_weights(part_lse_ptr, first, num_splits, BLOCK_S: tl.constexpr):
@@ -50,8 +52,9 @@ def _merge_kernel(
     part_out_ptr, part_lse_ptr,  # [B, H, S, Dv], [B, H, S] float32, contiguous
     out_ptr, stride_ob, stride_oh,  # [B, H, Dv]
     num_heads, num_splits, head_dim_v,
-    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -70,7 +73,8 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torc
     grid = (batch, heads, triton.cdiv(dim_v, block_d))
     _merge_kernel[grid](partial_out, partial_lse, out, out.stride(0), out.stride(1),
                         heads, splits, dim_v, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-                        CHUNK_S=min(8, max(2, triton.next_power_of_2(splits))), BLOCK_D=block_d)
+                        CHUNK_S=min(8, max(2, triton.next_power_of_2(splits))), BLOCK_D=block_d,
+                        **pdl.launch(out.device))
 
 
 def num_sms(device: torch.device) -> int:

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.gemm.fp8_quant import quant_group_fp8
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile
 
@@ -53,21 +54,27 @@ def _x_eff_fused(x_ptr, w_s, m, M, cols, c_mask, stride_xm):
 
 @triton.jit
 def _fused_steps(x_ptr, w_rows, ws_row, M, K, s_lo, s_hi, stride_xm,
-                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, K_BLOCKS: tl.constexpr):
-    """FUSE_QUANT main loop over steps [s_lo, s_hi) -> (y0, y1) [BN] fp32, token 0's and token 1's."""
+                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, K_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    """FUSE_QUANT main loop over steps [s_lo, s_hi) -> (y0, y1) [BN] fp32, token 0's and token 1's.
+    The first step's weights are loaded before the PDL wait, each next step's at the end of the one before."""
     offs_b = tl.arange(0, K_BLOCKS)
     offs_c = tl.arange(0, 128)
     acc0 = tl.zeros([BLOCK_N, K_BLOCKS, 128], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, K_BLOCKS, 128], dtype=tl.float32)
+    cols = (s_lo * K_BLOCKS + offs_b)[:, None] * 128 + offs_c[None, :]  # [KB, 128]
+    w = tl.load(w_rows[:, :, None] + cols[None, :, :], mask=(cols < K)[None, :, :] & (s_lo < s_hi), other=0.0)
+    pdl.enter(PDL)
     for st in range(s_lo, s_hi):
         blk = st * K_BLOCKS + offs_b  # [KB] 128-block index
         cols = blk[:, None] * 128 + offs_c[None, :]  # [KB, 128]
         c_mask = cols < K
-        w = tl.load(w_rows[:, :, None] + cols[None, :, :], mask=c_mask[None, :, :], other=0.0).to(tl.float32)
         w_s = tl.load(ws_row + blk, mask=blk * 128 < K, other=0.0)  # [KB]
-        acc0 += w * _x_eff_fused(x_ptr, w_s, 0, M, cols, c_mask, stride_xm)[None, :, :]
+        wf = w.to(tl.float32)  # [BN, KB, 128]
+        acc0 += wf * _x_eff_fused(x_ptr, w_s, 0, M, cols, c_mask, stride_xm)[None, :, :]
         if BLOCK_M == 2:
-            acc1 += w * _x_eff_fused(x_ptr, w_s, 1, M, cols, c_mask, stride_xm)[None, :, :]
+            acc1 += wf * _x_eff_fused(x_ptr, w_s, 1, M, cols, c_mask, stride_xm)[None, :, :]
+        nxt = cols + K_BLOCKS * 128
+        w = tl.load(w_rows[:, :, None] + nxt[None, :, :], mask=(nxt < K)[None, :, :] & (st + 1 < s_hi), other=0.0)
     return tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1)
 
 
@@ -75,7 +82,7 @@ def _fused_steps(x_ptr, w_rows, ws_row, M, K, s_lo, s_hi, stride_xm,
 def _fp8_gemv_kblock_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counters_ptr,
                             M, N, K, stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, split_k,
                             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, K_BLOCKS: tl.constexpr,
-                            FUSE_QUANT: tl.constexpr = False):
+                            FUSE_QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (cdiv(N, BLOCK_N), split_k); BLOCK_M 1 or 2; steps of K_BLOCKS * 128 columns, the last
     one masked."""
     STEP: tl.constexpr = K_BLOCKS * 128
@@ -89,18 +96,23 @@ def _fp8_gemv_kblock_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, co
     offs_s = tl.arange(0, STEP)  # [STEP]
     s_lo, s_hi = split_range(pid_k, tl.cdiv(K, STEP), split_k)
     if FUSE_QUANT:
-        y0, y1 = _fused_steps(xq_ptr, w_rows, ws_row, M, K, s_lo, s_hi, stride_xm, BLOCK_N, BLOCK_M, K_BLOCKS)
+        y0, y1 = _fused_steps(xq_ptr, w_rows, ws_row, M, K, s_lo, s_hi, stride_xm, BLOCK_N, BLOCK_M, K_BLOCKS, PDL)
     else:
         acc0 = tl.zeros([BLOCK_N, STEP], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_N, STEP], dtype=tl.float32)
+        cols = s_lo * STEP + offs_s  # [STEP]
+        w = tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :] & (s_lo < s_hi), other=0.0)  # [BN, STEP]
+        pdl.enter(PDL)  # the first step's weights are read before the wait (pdl.py)
         for st in range(s_lo, s_hi):
             cols = st * STEP + offs_s  # [STEP]
             c_mask = cols < K
-            w = tl.load(w_rows + cols[None, :], mask=c_mask[None, :], other=0.0).to(tl.float32)  # [BN, STEP]
             w_s = tl.load(ws_row + cols // 128, mask=c_mask, other=0.0)  # [STEP]
-            acc0 += w * _x_eff(xq_ptr, xs_ptr, w_s, 0, M, cols, c_mask, stride_xm, stride_xsm)[None, :]
+            wf = w.to(tl.float32)
+            acc0 += wf * _x_eff(xq_ptr, xs_ptr, w_s, 0, M, cols, c_mask, stride_xm, stride_xsm)[None, :]
             if BLOCK_M == 2:
-                acc1 += w * _x_eff(xq_ptr, xs_ptr, w_s, 1, M, cols, c_mask, stride_xm, stride_xsm)[None, :]
+                acc1 += wf * _x_eff(xq_ptr, xs_ptr, w_s, 1, M, cols, c_mask, stride_xm, stride_xsm)[None, :]
+            nxt = cols + STEP
+            w = tl.load(w_rows + nxt[None, :], mask=(nxt < K)[None, :] & (st + 1 < s_hi), other=0.0)
         y0, y1 = tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)
     acc = tl.where(offs_m[None, :] == 0, y0[:, None], 0.0)  # [BN, BM]
     if BLOCK_M == 2:
@@ -140,5 +152,5 @@ def fp8_gemv_kblock(xq: torch.Tensor, x_scale: torch.Tensor | None, weight: torc
         xq, xs, weight, weight_scale_inv, out, part, counters, m, n, k,
         xq.stride(0), xs.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(0), split,
         BLOCK_N=block_n, BLOCK_M=m, K_BLOCKS=k_blocks, FUSE_QUANT=fused, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **pdl.launch(xq.device))
     return out

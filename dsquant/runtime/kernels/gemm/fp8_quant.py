@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
+
 FP8_MAX = 448.0
 SCALE_EPS = 1e-10
 
@@ -29,7 +31,8 @@ def quant_group_fp8(x, AXIS: tl.constexpr):
 @triton.jit
 def _per_token_group_quant_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm,
                                   stride_sm, stride_sg, GROUP: tl.constexpr,
-                                  GROUPS_PER_PROG: tl.constexpr):
+                                  GROUPS_PER_PROG: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     m = tl.program_id(0)
     offs_g = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)  # [GP]
     offs_k = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GP, G]
@@ -73,7 +76,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, column_major_sc
     gpp = min(triton.next_power_of_2(ng), max(1, 1024 // group))
     grid = (m, triton.cdiv(ng, gpp))
     _per_token_group_quant_kernel[grid](x2, q, s, k, ng, x2.stride(0), q.stride(0), s.stride(0),
-                                        s.stride(1), GROUP=group, GROUPS_PER_PROG=gpp, num_warps=4)
+                                        s.stride(1), GROUP=group, GROUPS_PER_PROG=gpp, num_warps=4,
+                                        **pdl.launch(x2.device))
     return q, s
 
 

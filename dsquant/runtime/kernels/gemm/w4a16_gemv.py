@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.gemm.w4a16_mma import paired_default
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile
 
@@ -75,7 +76,8 @@ def codes_as_f32(qw, ROWS: tl.constexpr, COLS: tl.constexpr, ASM: tl.constexpr =
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counters_ptr,
                        M, N, num_groups, stride_xm, stride_qn, stride_sg, stride_zg, stride_om,
                        split_k, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                       HAS_PERM: tl.constexpr, ASM: tl.constexpr = False):
+                       HAS_PERM: tl.constexpr, ASM: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -126,7 +128,8 @@ def sliced_planes_as_f32(qw, FIRST: tl.constexpr, COUNT: tl.constexpr, ROWS: tl.
 def _w4a16_gemv_sliced_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counters_ptr,
                               M, N, num_chunks, stride_xm, stride_qn, stride_sg, stride_zg, stride_om,
                               split_k, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                              HAS_PERM: tl.constexpr, ASM: tl.constexpr = False):
+                              HAS_PERM: tl.constexpr, ASM: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -180,5 +183,5 @@ def w4a16_gemv(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, split_k: in
         w.zeros.stride(0), out.stride(0), split,
         GROUP=w.group_size, BLOCK_N=block_n, BLOCK_M=triton.next_power_of_2(m),
         HAS_PERM=w.perm is not None, ASM=paired_default() if asm is None else asm,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(x2.device))
     return out

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.gemm.w4a16_mma import paired_default
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile
 from dsquant.runtime.kernels.gemm.w4a16_gemv import plane_f32
@@ -50,8 +51,10 @@ def _group_terms(qw, high, x_ptr, perm_ptr, m, M, stride_xm, chunk, c_mask, offs
 def _w4a16_gemv_kblock_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counters_ptr,
                               M, N, num_chunks, stride_xm, stride_qn, stride_sg, stride_zg, stride_om,
                               split_k, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                              K_CHUNKS: tl.constexpr, HAS_PERM: tl.constexpr, ASM: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N), split_k); BLOCK_M is 1 or 2 (M <= BLOCK_M)."""
+                              K_CHUNKS: tl.constexpr, HAS_PERM: tl.constexpr, ASM: tl.constexpr,
+                              PDL: tl.constexpr = False):
+    """Grid (cdiv(N, BLOCK_N), split_k); BLOCK_M is 1 or 2 (M <= BLOCK_M). The first block's words
+    are loaded before the PDL wait (pdl.py), each next block's at the end of the step before it."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -64,12 +67,14 @@ def _w4a16_gemv_kblock_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, pa
     b_lo, b_hi = split_range(pid_k, tl.cdiv(num_chunks, K_CHUNKS), split_k)
     acc0 = tl.zeros([BLOCK_N, K_CHUNKS, 16], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, K_CHUNKS, 16], dtype=tl.float32)
+    rows = qw_ptr + offs_n[:, None, None] * stride_qn + offs_w[None, None, :]  # [BN, 1, 16]
+    chunk = b_lo * K_CHUNKS + offs_c  # [KC]
+    w_mask = n_mask[:, None, None] & (chunk < num_chunks)[None, :, None] & (b_lo < b_hi)
+    qw = tl.load(rows + chunk[None, :, None] * 16, mask=w_mask, other=0)  # [BN, KC, 16] int32
+    pdl.enter(PDL)
     for b in range(b_lo, b_hi):
         chunk = b * K_CHUNKS + offs_c  # [KC]
         c_mask = chunk < num_chunks
-        w_mask = n_mask[:, None, None] & c_mask[None, :, None]
-        qw = tl.load(qw_ptr + offs_n[:, None, None] * stride_qn + chunk[None, :, None] * 16 + offs_w[None, None, :],
-                     mask=w_mask, other=0)  # [BN, KC, 16] int32
         high = qw >> 16
         sz_mask = n_mask[:, None] & c_mask[None, :]  # [BN, KC]
         for gi in tl.static_range(NG):
@@ -83,6 +88,9 @@ def _w4a16_gemv_kblock_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, pa
                 d, xs = _group_terms(qw, high, x_ptr, perm_ptr, 1, M, stride_xm, chunk, c_mask, offs_w, gi, PLANES,
                                      HAS_PERM, ASM)
                 acc1 += s[:, :, None] * (d - z[:, :, None] * xs[None, :, :])
+        nxt = chunk + K_CHUNKS
+        w_mask = n_mask[:, None, None] & (nxt < num_chunks)[None, :, None] & (b + 1 < b_hi)
+        qw = tl.load(rows + nxt[None, :, None] * 16, mask=w_mask, other=0)
     y0 = tl.sum(tl.sum(acc0, axis=2), axis=1)  # [BN]
     acc = tl.where(offs_m[None, :] == 0, y0[:, None], 0.0)  # [BN, BM]
     if BLOCK_M == 2:
@@ -113,5 +121,5 @@ def w4a16_gemv_kblock(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, k_ch
         m, n, chunks, x2.stride(0), w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0), out.stride(0),
         split, GROUP=w.group_size, BLOCK_N=block_n, BLOCK_M=m, K_CHUNKS=k_chunks,
         HAS_PERM=w.perm is not None, ASM=paired_default() if asm is None else asm,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(x2.device))
     return out

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
 
 _MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}  # 128.0, 1024.0: ulp 1
@@ -167,7 +168,8 @@ def _w4a16_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, 
                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                       HAS_PERM: tl.constexpr, MAGIC: tl.constexpr,
                       PAIRED: tl.constexpr, SWIZZLE: tl.constexpr, TILE_N: tl.constexpr = 0,
-                      PREFETCH: tl.constexpr = True):
+                      PREFETCH: tl.constexpr = True, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n, pid_m = swizzled_tile(pid, M, N, BLOCK_M, BLOCK_N, SWIZZLE)
@@ -245,5 +247,5 @@ def w4a16_mma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         m, n, chunks, x2.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         split, GROUP=group_size, BLOCK_N=block_n, BLOCK_M=block_m, HAS_PERM=perm is not None,
         MAGIC=magic, PAIRED=paired_default() if paired is None else paired, SWIZZLE=8, TILE_N=tile_n, PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(x2.device))
     return out

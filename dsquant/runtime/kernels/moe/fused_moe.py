@@ -210,4 +210,6 @@ def _expert_gemvs(hidden, weights: MoeWeights, ids, act, out) -> None:
     grouped kernel's 15.4 | 9.6 plus a 5.2 us align."""
     top_k = ids.shape[1]
     moe_gemv_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=16, num_warps=1)
-    moe_gemv_int4(act, weights.w2, ids, out, a_row_div=1, gated=False, block_n=16, num_warps=1)
+    # right after the gate/up launch: the ids are two launches old, so the down GEMV may read them
+    # and its first weight tiles before its PDL wait
+    moe_gemv_int4(act, weights.w2, ids, out, a_row_div=1, gated=False, block_n=16, num_warps=1, early_ids=True)

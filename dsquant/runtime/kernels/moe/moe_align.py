@@ -10,13 +10,15 @@ the flattened index t * top_k + j. Outputs (fixed sizes, so the launch is CUDA-g
 max_padded = T*top_k + min(E, T*top_k) * (BLOCK_M - 1), rounded up to BLOCK_M: at most that many
 experts receive pairs, each wasting at most BLOCK_M - 1 rows.
 Three implementations with identical outputs: "triton", one program doing it all (two passes over
-the pairs, one-hot counts and in-chunk prefix sums), a single small launch, which is what decode
-wants, but its cost grows with T*top_k*E (25.5 us for V2-Lite's 512 pairs of 66 experts on an H100,
-2026-12-06, about 9% of a 64-sequence INT4 decode step); "sort", one program that counts with
-tl.histogram and places every pair at once from a bitonic tl.sort of (expert, pair) keys, up to
-SORT_MAX_PAIRS pairs (untimed on a GPU: `bash scripts/gpu.sh alignq`; not yet chosen by "auto"); and
-"torch", a stable argsort plus scatters (about a dozen launches, all capturable), which wins for
-large batches. "auto" picks by the pair count.
+the pairs, one-hot counts and in-chunk prefix sums), whose cost grows with T*top_k*E (25.5 us for
+V2-Lite's 512 pairs of 66 experts on an H100, 2026-12-06, about 9% of a 64-sequence INT4 decode
+step); "sort", one program that counts with tl.histogram and places every pair at once from a
+bitonic tl.sort of (expert, pair) keys, up to SORT_MAX_PAIRS pairs; and "torch", a stable argsort
+plus scatters (about a dozen launches, all capturable). "auto" takes "sort" up to
+AUTO_SORT_MAX_PAIRS pairs and "torch" beyond: `bash scripts/gpu.sh alignq` on an H200 (2026-12-06,
+CUDA-graph medians, us, triton / sort / torch): V2-Lite 8 pairs 2.46 / 2.14 / 63.1, 512 pairs
+25.6 / 6.0 / 93.8, 2048 pairs 92.6 / 20.0 / 100.2; V3 (257 experts) 9 pairs 3.19 / 2.99 / 65.2,
+576 pairs 53.4 / 19.0 / 98.4, 2304 pairs - / 82.0 / 106.8 (docs/bench/alignq-h200-2026-12-06.json).
 `one_block_per_pair` is the launch-free alternative for one token (its pairs have distinct experts):
 block b is pair b alone, expert_ids = topk_ids.flat, no sorted ids (moe_gemm's PAIR_BLOCKS).
 """
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from dsquant.runtime.kernels import pdl
 
 
 @dataclass
@@ -79,10 +83,11 @@ def _lay_out_segments(counts, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, 
 def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
                       num_pairs, num_experts, max_padded, max_blocks,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                      FILL: tl.constexpr, BLOCKS: tl.constexpr):
+                      FILL: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
     """One program. CHUNK pairs a pass over topk_ids ([CHUNK, BLOCK_E] one-hot tiles), FILL rows a
     pass of the sentinel fill, BLOCKS block ids a pass of the expert_ids search; each sized by the
     host to what it covers, so a decode step (8 pairs, 128 rows) makes one pass of each."""
+    pdl.enter(PDL)
     e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -108,11 +113,12 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
 def _moe_align_sort_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
                            num_pairs, num_experts, max_padded, max_blocks,
                            BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, NP: tl.constexpr,
-                           FILL: tl.constexpr, BLOCKS: tl.constexpr):
+                           FILL: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
     """One program, the pairs in one [NP] tile (NP >= num_pairs, a power of two; BLOCK_E > num_experts).
     Counts by tl.histogram (dropped pairs in bin E), then keys bin * NP + pair sorted ascending: the
     i-th key's pair goes to row starts[e] + i - first[e], first[e] being how many pairs precede
     expert e's (pair order kept, as the keys break ties by pair index)."""
+    pdl.enter(PDL)
     offs = tl.arange(0, NP)  # [NP]
     ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
     valid = (offs < num_pairs) & (ids >= 0) & (ids < num_experts)
@@ -134,8 +140,9 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
-TRITON_MAX_PAIRS = 2048  # "auto" uses the single-program kernel up to this many pairs
+TRITON_MAX_PAIRS = 2048  # the most pairs scripts/moe_align_probe.py times the one-hot kernel at
 SORT_MAX_PAIRS = 4096  # "sort" holds the pairs in one tile of up to this many
+AUTO_SORT_MAX_PAIRS = 2304  # "auto": "sort" up to here (the largest pair count timed, V3 at 256 tokens), then "torch"
 
 
 def _align_torch(flat, num_experts, block_m, sorted_ids, expert_ids, num_post):
@@ -190,7 +197,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         raise ValueError(f"moe_align method must be auto, triton, sort or torch, got {method!r}")
     if method == "sort" and num_pairs > SORT_MAX_PAIRS:
         raise ValueError(f"moe_align method 'sort' takes at most {SORT_MAX_PAIRS} pairs, got {num_pairs}")
-    if method == "torch" or (method == "auto" and num_pairs > TRITON_MAX_PAIRS):
+    if method == "auto":
+        method = "sort" if num_pairs <= AUTO_SORT_MAX_PAIRS else "torch"
+    if method == "torch":
         _align_torch(flat, num_experts, block_m, sorted_ids, expert_ids, num_post)
         return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, num_pairs)
     max_blocks = max_padded // block_m
@@ -201,7 +210,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         np_tile = max(16, triton.next_power_of_2(num_pairs))
         _moe_align_sort_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, num_pairs, num_experts,
                                      max_padded, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e, NP=np_tile,
-                                     FILL=fill, BLOCKS=blocks_tile(block_e), num_warps=4 if np_tile <= 512 else 8)
+                                     FILL=fill, BLOCKS=blocks_tile(block_e), num_warps=4 if np_tile <= 512 else 8,
+                                     **pdl.launch(flat.device))
         return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, num_pairs)
     block_e = max(16, triton.next_power_of_2(num_experts))
     chunk = max(16, min(128, 8192 // block_e, triton.next_power_of_2(num_pairs)))
@@ -209,5 +219,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     small = chunk * block_e <= 2048 and blocks * block_e <= 2048  # a decode step's tiles: 4 warps are plenty
     _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post, num_pairs, num_experts,
                             max_padded, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
-                            CHUNK=chunk, FILL=fill, BLOCKS=blocks, num_warps=4 if block_e <= 64 or small else 8)
+                            CHUNK=chunk, FILL=fill, BLOCKS=blocks, num_warps=4 if block_e <= 64 or small else 8,
+                            **pdl.launch(flat.device))
     return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, num_pairs)

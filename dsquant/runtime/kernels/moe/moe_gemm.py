@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.gemm.fp8_quant import quant_group_fp8
 from dsquant.runtime.kernels.ops.activation import silu_mul_as_reference
 from dsquant.runtime.kernels.gemm.w4a16_mma import _MAGIC, paired_default
@@ -85,10 +86,11 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
                      W_FORMAT: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                      ROUTED: tl.constexpr, FP8_UPCAST: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PAIR_BLOCKS: tl.constexpr = False, A_QUANT: tl.constexpr = False):
+                     PAIR_BLOCKS: tl.constexpr = False, A_QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (blocks, cdiv(N, BLOCK_N)); layouts in the module docstring. PAIR_BLOCKS: block pid_m is
     pair pid_m (sorted_ids_ptr, num_post_pad_ptr unused); A_QUANT: fp8 weights, a bf16/fp16
     quantized here per [BLOCK_M, 128] tile (a_scale_ptr unused)."""
+    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if PAIR_BLOCKS:
@@ -189,5 +191,5 @@ def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.
         ROUTED=topk_weights is not None, FP8_UPCAST=fp8_upcast, MAGIC=_MAGIC.get(a.dtype, 0),
         PAIRED=paired_default(), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PAIR_BLOCKS=pair_blocks, A_QUANT=a_quant,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(out.device))
     return out

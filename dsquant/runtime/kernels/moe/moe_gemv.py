@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.ops.activation import silu_mul_as_reference
 from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight
 from dsquant.runtime.kernels.moe.moe_int4_loop import _int4_tile
@@ -165,12 +166,18 @@ def _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride
 def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr, topk_w_ptr, ids_ptr,
                      N, K, a_row_div, stride_am, stride_we, stride_wc, stride_se, stride_s1, stride_s2,
                      stride_om, split_k, GROUP: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, LOADS_ONLY: tl.constexpr = False, ASM: tl.constexpr = False):
+                     BLOCK_N: tl.constexpr, LOADS_ONLY: tl.constexpr = False, ASM: tl.constexpr = False,
+                     PDL: tl.constexpr = False, EARLY_IDS: tl.constexpr = False):
     """Grid (P, cdiv(N, BLOCK_N), split_k); a [rows, K], qweight/scales/zeros, out [P, N] and
     part fp32 [split_k, P, 2 or 1, N] as in the module docstring; K % 128 == 0.
     LOADS_ONLY (scripts/moe_gemv_probe.py only; the output is not a product): the same weight loads,
     each word folded into acc by one add instead of dequantized, no activation / scale / zero loads:
-    the kernel's time without its dequantization and dot."""
+    the kernel's time without its dequantization and dot.
+    PDL (pdl.py): EARLY_IDS (ids written two or more launches earlier, as for the down projection
+    right after the gate/up one) reads the ids and the first two weight tiles before the wait; else
+    the wait comes first."""
+    if not EARLY_IDS:
+        pdl.enter(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -195,6 +202,8 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr
     if GATED:
         u0 = _int4_tile(w_ptr, expert, offs_n + N, m0, k_lo, stride_we, stride_wc)
         u1 = _int4_tile(w_ptr, expert, offs_n + N, m1, k_lo + 128, stride_we, stride_wc)
+    if EARLY_IDS:
+        pdl.enter(PDL)
     for k0 in range(k_lo, k_hi, 128):
         ahead = n_mask & (k0 + 256 < k_hi)
         p2 = _int4_tile(w_ptr, expert, offs_n, ahead, k0 + 256, stride_we, stride_wc)
@@ -224,11 +233,12 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr
 def moe_gemv_int4(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor, out: torch.Tensor,
                   a_row_div: int, gated: bool, topk_weights: torch.Tensor | None = None,
                   block_n: int = 32, num_warps: int = 2, split_k: int | None = None,
-                  _loads_only: bool = False, _asm: bool | None = None) -> torch.Tensor:
+                  _loads_only: bool = False, _asm: bool | None = None, early_ids: bool = False) -> torch.Tensor:
     """out [P, N or N/2 when gated] for the P = topk_ids.numel() pairs (see module docstring).
     split_k None: default_split_k; counters come from (and stay zero in) w.splitk_counters.
     _loads_only: the kernel's LOADS_ONLY timing variant (scripts/moe_gemv_probe.py); out is not a product.
-    _asm: the one-lop3 nibble conversion (None: on a GPU, not under TRITON_INTERPRET); False for the probe's A/B."""
+    _asm: the one-lop3 nibble conversion (None: on a GPU, not under TRITON_INTERPRET); False for the probe's A/B.
+    early_ids: topk_ids were written two or more launches before this one (the kernel's EARLY_IDS)."""
     pairs, n_out = check_pair_gemv("moe_gemv_int4", a, w, topk_ids, out, a_row_div, gated, "int4")
     if pairs == 0:
         return out
@@ -240,5 +250,5 @@ def moe_gemv_int4(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor, out
                            w.scales.stride(0), w.scales.stride(1), w.scales.stride(2), out.stride(0),
                            split, GROUP=w.group_size, GATED=gated, ROUTED=topk_weights is not None,
                            BLOCK_N=block_n, LOADS_ONLY=_loads_only, ASM=paired_default() if _asm is None else _asm,
-                           num_warps=num_warps)
+                           EARLY_IDS=early_ids, num_warps=num_warps, **pdl.launch(a.device))
     return out

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
+
 SCORING = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 MAX_EXPERTS = 1024
@@ -105,8 +107,10 @@ def _moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, p
                       TOP_K: tl.constexpr, N_SHARED: tl.constexpr, TOPK_GROUP: tl.constexpr,
                       SIGMOID: tl.constexpr,
                       METHOD: tl.constexpr, NORM: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_PER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+                      BLOCK_PER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Grid (T,): token t's row of logits routed by route_row."""
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     route_row(logits_ptr + t * stride_logits, bias_ptr, weights_ptr + t * stride_weights, ids_ptr + t * stride_ids,
               num_experts, per_group, n_group, scaling, TOP_K, N_SHARED, TOPK_GROUP, SIGMOID, METHOD, NORM,
@@ -185,7 +189,7 @@ def moe_route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", topk_m
         _moe_route_kernel[(t,)](
             logits, logits if bias is None else bias, weights, ids, args["num_experts"], args["per_group"],
             args["n_group"], logits.stride(0), weights.stride(0), ids.stride(0), args["scaling"], **consts,
-            num_warps=route_warps(consts))
+            num_warps=route_warps(consts), **pdl.launch(logits.device))
     return weights, ids
 
 

@@ -22,12 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
+
 
 @triton.jit
 def _moe_sum_kernel(pieces_ptr, weights_ptr, shared_ptr, res_ptr, out_ptr, hidden, top_k,
                     stride_pt, stride_pp, stride_wt, stride_st, stride_rt, stride_ot,
                     N_SHARED: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     mask = cols < hidden
@@ -88,5 +91,5 @@ def moe_sum(pieces: torch.Tensor, weights: torch.Tensor, n_shared: int = 0,
         pieces, w, sh, res, out, h, p - n_shared,
         pieces.stride(0), pieces.stride(1), w.stride(0), sh.stride(0), res.stride(0), out.stride(0),
         N_SHARED=n_shared, HAS_SHARED=shared is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_H=block_h, num_warps=4 if block_h >= 512 else 1)
+        BLOCK_H=block_h, num_warps=4 if block_h >= 512 else 1, **pdl.launch(out.device))
     return out

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.moe.moe_route import route_outputs, route_plan, route_row
 
 ROUTER_GEMV_MAX_T = 16
@@ -37,28 +38,34 @@ def fused_route_takes(tokens: int, hidden: int) -> bool:
 
 
 @triton.jit
-def _logits_block(x_ptr, stride_xt, w_ptr, t, e, emask, hidden, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 logits [BLOCK_E] of token t for experts e [BLOCK_E]."""
+def _logits_block(x_ptr, stride_xt, w_ptr, t, e, emask, hidden, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    """fp32 logits [BLOCK_E] of token t for experts e [BLOCK_E]. The first weight tile is read before
+    the PDL wait (pdl.py), each next one a tile ahead of its use."""
     acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
+    rows = w_ptr + e[:, None].to(tl.int64) * hidden  # [BLOCK_E, 1]
+    k = tl.arange(0, BLOCK_K)
+    w = tl.load(rows + k[None, :], mask=emask[:, None] & (k < hidden)[None, :], other=0.0)  # [BLOCK_E, BLOCK_K]
+    pdl.enter(PDL)
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < hidden
-        x = tl.load(x_ptr + t * stride_xt + k, mask=kmask, other=0.0).to(tl.float32)  # [BLOCK_K]
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * hidden + k[None, :], mask=emask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_E, BLOCK_K]
-        acc += w * x[None, :]
+        x = tl.load(x_ptr + t * stride_xt + k, mask=k < hidden, other=0.0).to(tl.float32)  # [BLOCK_K]
+        k_next = k + BLOCK_K
+        w_next = tl.load(rows + k_next[None, :], mask=emask[:, None] & (k_next < hidden)[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        w = w_next
     return tl.sum(acc, 1)
 
 
 @triton.jit
 def _router_logits_kernel(x_ptr, stride_xt, w_ptr, out_ptr, num_experts, hidden,
-                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (cdiv(E, BLOCK_E), T): out [T, E] fp32."""
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
     t = tl.program_id(1)
     emask = e < num_experts
     tl.store(out_ptr + t * num_experts + e,
-             _logits_block(x_ptr, stride_xt, w_ptr, t, e, emask, hidden, BLOCK_E, BLOCK_K), mask=emask)
+             _logits_block(x_ptr, stride_xt, w_ptr, t, e, emask, hidden, BLOCK_E, BLOCK_K, PDL), mask=emask)
 
 
 @triton.jit
@@ -101,7 +108,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, num_experts, dtype=torch.float32, device=x.device)
     if t:
         _router_logits_kernel[(triton.cdiv(num_experts, block_e), t)](
-            x, x.stride(0), weight, out, num_experts, x.shape[1], BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+            x, x.stride(0), weight, out, num_experts, x.shape[1], BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
+            **pdl.launch(x.device))
     return out
 
 

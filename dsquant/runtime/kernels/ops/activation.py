@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
+
 
 @triton.jit
 def silu_mul_as_reference(gate, up, DTYPE: tl.constexpr):
@@ -27,7 +29,8 @@ def silu_mul_as_reference(gate, up, DTYPE: tl.constexpr):
 
 @triton.jit
 def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, inter, stride_gate, stride_up, stride_out,
-                         BLOCK: tl.constexpr, ROUND_SILU: tl.constexpr):
+                         BLOCK: tl.constexpr, ROUND_SILU: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
@@ -49,7 +52,8 @@ def _launch(gate, up, out, round_silu: bool) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
-        gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, ROUND_SILU=round_silu)
+        gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, ROUND_SILU=round_silu,
+        **pdl.launch(out.device))
     return out
 
 

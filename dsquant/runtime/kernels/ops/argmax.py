@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
+
 BIG = tl.constexpr(2**31 - 1)  # an index past any vocabulary
 
 
@@ -32,7 +34,8 @@ def _reduce(val, idx, mask):
 
 @triton.jit
 def _argmax_chunks_kernel(x_ptr, part_val_ptr, part_idx_ptr, vocab, stride_x, num_chunks,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
@@ -44,7 +47,9 @@ def _argmax_chunks_kernel(x_ptr, part_val_ptr, part_idx_ptr, vocab, stride_x, nu
 
 
 @triton.jit
-def _argmax_merge_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+def _argmax_merge_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)  # [BLOCK_C]
     mask = c < num_chunks
@@ -71,7 +76,8 @@ def argmax(logits: torch.Tensor, block: int = 2048, out: torch.Tensor | None = N
     part_val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)  # [S, C]
     part_idx = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)  # [S, C]
     _argmax_chunks_kernel[(rows, chunks)](logits, part_val, part_idx, vocab, logits.stride(0), chunks,
-                                          BLOCK=block, num_warps=4)
+                                          BLOCK=block, num_warps=4, **pdl.launch(logits.device))
     _argmax_merge_kernel[(rows,)](part_val, part_idx, out, chunks,
-                                  BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=1)
+                                  BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=1,
+                                  **pdl.launch(out.device))
     return out

@@ -13,11 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
                      stride_x, stride_res, stride_out, stride_res_out,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < hidden
@@ -55,7 +58,8 @@ def _launch(x, residual, weight, eps):
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out, hidden, eps,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            **pdl.launch(x2.device))
     return out.view(x.shape), res_out.view(x.shape)
 
 

@@ -1,0 +1,78 @@
+"""Programmatic dependent launch (runtime/kernels/pdl.py): where each kernel's wait lands in its sm_90
+SASS, compiled on the CPU with Triton's ptxas (dsquant/bench/sass.py), and when launches ask for it.
+
+The contract the SASS must show (pdl.py): no global store or atomic before the wait (ACQBULK);
+`release` (PREEXIT) after it; the weight prefetchers issue their weight loads before it, the others
+no global load at all; with PDL off neither instruction is emitted."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from dsquant.runtime.kernels import pdl
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+needs_ptxas = pytest.mark.skipif(not PTXAS.exists(), reason="Triton's ptxas is not installed")
+
+# (preset, constexpr overrides, whether weights are loaded before the wait)
+CASES = [
+    ("w4a16_gemv_kblock", {}, True),
+    ("fp8_gemv_kblock", {"FUSE_QUANT": False}, True),
+    ("fp8_gemv_kblock", {"FUSE_QUANT": True}, True),
+    ("moe_gemv", {"EARLY_IDS": False}, False),  # gate/up: its ids come from the launch right before
+    ("moe_gemv_down", {"EARLY_IDS": True}, True),
+    ("router_logits", {}, True),
+    ("mla_prepare", {}, True),
+    ("rms_norm", {}, False),
+    ("w4a16_gemv_sliced", {}, False),
+]
+GLOBAL_WRITE = re.compile(r"^(STG|ST|ATOM|ATOMG|RED|REDG)(\.|$)")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """Every case compiled in one child process: the tests run under TRITON_INTERPRET=1, where
+    @triton.jit gives interpreted functions that cannot be compiled."""
+    cases = json.dumps([[name, overrides] for name, overrides, _ in CASES])
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    res = subprocess.run([sys.executable, "-m", "dsquant.bench.sass", cases, str(tmp_path_factory.mktemp("sass"))],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@needs_ptxas
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{n}-{o}" for n, o, _ in CASES])
+def test_wait_placement_in_sass(case, reports):
+    name, _, prefetch = CASES[case]
+    r = reports[case]
+    assert r["waits"] and r["releases"] and r["waits"][0] < r["releases"][0], (name, r["waits"], r["releases"])
+    before = r["before_wait"]
+    assert not [t for t in before if GLOBAL_WRITE.match(t)], (name, before)
+    loads = [t for t in before if t.startswith("LDG")]
+    assert bool(loads) == prefetch, (name, loads)
+    assert not r["off_has_pdl"], name
+
+
+def test_launch_options(monkeypatch):
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.launch(torch.device("cpu")) == {}
+    assert pdl.launch(torch.device("cuda", 0)) == {}
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.launch(torch.device("cpu")) == {}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl.launch(torch.device("cuda", 0)) == {}  # the interpreter has no griddepcontrol
+
+
+@pytest.mark.gpu
+def test_launch_options_on_the_gpu(monkeypatch):
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    want = {"PDL": True, "launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9 else {}
+    assert pdl.launch(torch.device("cuda")) == want
