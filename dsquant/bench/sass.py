@@ -8,7 +8,7 @@ loads are not vectorized and the SASS is not the one the GPU runs. Used by scrip
 
 Presets: moe_gemv (moe_gemv._moe_gemv_kernel, gated, G 128), moe_gemv_down (routed, not gated),
 w4a16_gemv_sliced, w4a16_gemv_kblock, fp8_gemv (A_MODE 0), fp8_gemv_kblock, rms_norm, router_logits,
-mla_prepare.
+mla_prepare, mla_merge_uv.
 """
 from __future__ import annotations
 
@@ -101,6 +101,12 @@ def preset(name: str) -> Preset:
                 ("cache_ptr", "*bf16"), ("slot_ptr", "*i64"), ("num_tokens", "i32"), ("num_heads", "i32")]
         ce = dict(NOPE=128, RANK=512, ROPE=64, BLOCK_T=16, BLOCK_R=128, INTERLEAVED=True, PDL=False)
         return Preset(mod._mla_prepare_kernel, args, ce, ["stride_qt", "stride_qh", "stride_lt", "stride_cs"], [], 4)
+    if name == "mla_merge_uv":
+        from dsquant.runtime.kernels.attention import mla_absorb as mod
+        args = _typed("part_out_ptr part_lse_ptr w_uv_ptr out_ptr", "*fp32 *fp32 *bf16 *bf16")
+        args += _ints("stride_ot stride_oh num_heads num_splits v_dim")
+        ce = dict(RANK=512, BLOCK_S=16, CHUNK_S=8, BLOCK_R=512, BLOCK_V=32, PDL=False)
+        return Preset(mod._mla_merge_uv_kernel, args, ce, ["stride_ot", "stride_oh", "v_dim"], [], 4)
     raise ValueError(f"unknown SASS preset {name!r}; see dsquant/bench/sass.py")
 
 

@@ -29,6 +29,7 @@ CASES = [
     ("moe_gemv_down", {"EARLY_IDS": True}, True),
     ("router_logits", {}, True),
     ("mla_prepare", {}, True),
+    ("mla_merge_uv", {}, True),
     ("rms_norm", {}, False),
     ("w4a16_gemv_sliced", {}, False),
 ]

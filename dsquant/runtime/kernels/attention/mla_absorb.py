@@ -145,11 +145,16 @@ def _mla_merge_uv_kernel(
     RANK: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    pdl.enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
     vmask = v < v_dim
+    # W_UV is a weight: its first tile (all of it when BLOCK_R == RANK) is read before the PDL wait
+    w_rows = w_uv_ptr + (h * v_dim + v[:, None]) * RANK  # [BLOCK_V, 1]
+    r_first = tl.arange(0, BLOCK_R)
+    w_first = tl.load(w_rows + r_first[None, :], mask=vmask[:, None] & (r_first < RANK)[None, :],
+                      other=0.0)  # [BLOCK_V, BLOCK_R]
+    pdl.enter(PDL)
     row = (t.to(tl.int64) * num_heads + h) * num_splits
     m, total, live_end = split_weights(part_lse_ptr, row, num_splits, BLOCK_S)
     inv = 1.0 / tl.where(total > 0, total, 1.0)
@@ -158,8 +163,11 @@ def _mla_merge_uv_kernel(
         r = r0 + tl.arange(0, BLOCK_R)
         merged = sum_live_partials(part_out_ptr, part_lse_ptr, row, r, r < RANK, RANK, m, live_end, CHUNK_S)
         latent = (merged * inv).to(w_uv_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_R]
-        w_uv = tl.load(w_uv_ptr + (h * v_dim + v[:, None]) * RANK + r[None, :], mask=vmask[:, None],
-                       other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
+        if r0 == 0:
+            w_uv = w_first.to(tl.float32)
+        else:
+            w_uv = tl.load(w_rows + r[None, :], mask=vmask[:, None] & (r < RANK)[None, :],
+                           other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
         acc += tl.sum(w_uv * latent[None, :], 1)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + v, acc.to(out_ptr.dtype.element_ty), mask=vmask)
 
