@@ -19,7 +19,7 @@
 #               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), mlashort (short contexts:
 #               how finely to split, scripts/mla_short_sweep.py), prefill (GQA prefill
 #               configs against SDPA: scripts/prefill_sweep.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
-#   engine:     engine, tpbench / tpv2 (tensor parallelism: V2-Lite at TP_SIZES, V2-236B INT4; several GPUs), engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES / MLA_SMALL_TILES, router_route up to ROUTE_N tokens, the greedy argmax inside the decode graphs with GREEDY_GRAPH=1), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
+#   engine:     engine, tpbench / tpv2 (tensor parallelism: V2-Lite at TP_SIZES, V2-236B INT4; several GPUs), engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES / MLA_SMALL_TILES, router_route up to ROUTE_N tokens, the greedy argmax inside the decode graphs with GREEDY_GRAPH=1, any python statement in EXTRA_PY; DSQUANT_PDL=0: no programmatic dependent launch), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
 #               prompt; long32: 32768), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
 #               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split; GREEDY_GRAPH=1: the argmax in the graphs)
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
@@ -141,6 +141,7 @@ import dsquant.runtime.kernels.moe.router_gemv as rg
 rg.FUSED_ROUTE_MAX_T = ${ROUTE_N:-rg.FUSED_ROUTE_MAX_T}
 import dsquant.runtime.engine.cuda_graph as cg
 cg.GREEDY_IN_GRAPH = ${GREEDY_GRAPH:-cg.GREEDY_IN_GRAPH}
+${EXTRA_PY:-}
 from dsquant.cli import main
 sys.argv = ['dsquant', 'bench', 'engine', *'${ENGINE_ARGS:---schemes fp8,bf16 --modes async}'.split(),
             '--peer-batches', '', '--json', '$OUT/engineon${TAG:-}.json']

@@ -69,7 +69,7 @@ def preset(name: str) -> Preset:
         args = _typed("x_ptr xs_ptr w_ptr ws_ptr out_ptr part_ptr counters_ptr",
                       "*fp8e4nv *fp32 *fp8e4nv *fp32 *bf16 *fp32 *i32")
         args += _ints("M N K stride_xm stride_xsm stride_xsg stride_wn stride_wsn stride_om split_k")
-        ce = dict(A_MODE=0, BLOCK_N=32, BLOCK_M=1, EVEN_K=True)
+        ce = dict(A_MODE=0, BLOCK_N=32, BLOCK_M=1, EVEN_K=True, PDL=False)
         return Preset(mod._fp8_gemv_kernel, args, ce, ["N", "K", "stride_xm", "stride_xsm", "stride_wn", "stride_wsn",
                                                        "stride_om"], ["stride_xsg"], 4)
     if name == "fp8_gemv_kblock":

@@ -32,6 +32,7 @@ CASES = [
     ("mla_merge_uv", {}, True),
     ("rms_norm", {}, False),
     ("w4a16_gemv_sliced", {}, False),
+    ("fp8_gemv", {}, False),
 ]
 GLOBAL_WRITE = re.compile(r"^(STG|ST|ATOM|ATOMG|RED|REDG)(\.|$)")
 

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.gemm.fp8_gemv import fp8_gemv
 from dsquant.runtime.kernels.gemm.fp8_gemv_kblock import fp8_gemv_kblock
 from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8, quant_group_fp8
@@ -44,7 +45,8 @@ CUBLAS_ROWS = 16  # token counts padded to this for cuBLAS (the bench saw M = 1 
 def _fp8_block_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counters_ptr,
                            M, N, K, stride_am, stride_asm, stride_asg, stride_wn, stride_wsn,
                            stride_om, split_k, A_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_M: tl.constexpr, SWIZZLE: tl.constexpr):
+                           BLOCK_M: tl.constexpr, SWIZZLE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     BLOCK_K: tl.constexpr = 128
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -241,7 +243,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         a, a_s, weight, weight_scale_inv, out, part, counters, m, n, k,
         a.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), weight_scale_inv.stride(0),
         out.stride(0), split, A_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-        SWIZZLE=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SWIZZLE=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x.device))
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.gemm.fp8_quant import quant_group_fp8
 from dsquant.runtime.kernels.gemm.gemm_configs import FP8_GEMV_MAX_M
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile
@@ -59,7 +60,8 @@ def _load_w_block(w_rows, kb, offs_kk, K, EVEN_K: tl.constexpr):
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, counters_ptr,
                      M, N, K, stride_xm, stride_xsm, stride_xsg, stride_wn, stride_wsn, stride_om,
                      split_k, A_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     BLOCK_K: tl.constexpr = 128
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -118,5 +120,6 @@ def fp8_gemv(x2: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tenso
         x2, xs, weight, weight_scale_inv, out, part, counters, m, n, k,
         x2.stride(0), xs.stride(0), xs.stride(1), weight.stride(0), weight_scale_inv.stride(0),
         out.stride(0), split, A_MODE=0 if is_fp8 else 1, BLOCK_N=block_n,
-        BLOCK_M=triton.next_power_of_2(m), EVEN_K=k % 128 == 0, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=triton.next_power_of_2(m), EVEN_K=k % 128 == 0, num_warps=num_warps, num_stages=num_stages,
+        **pdl.launch(x2.device))
     return out
