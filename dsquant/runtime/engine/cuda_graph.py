@@ -15,8 +15,10 @@ launched with max_seq_len = max_model_len so one capture serves every context le
 the first n rows are returned; sampling runs outside the graph. With GREEDY_IN_GRAPH the graph also
 takes each row's argmax (sampler.greedy_argmax) into a static buffer, `greedy_tokens(n)`, which
 sampling uses for its greedy rows: on CUDA that argmax is two Triton launches, whose host-side cost
-(tens of us a step) counts where the host sets the pace (small models). Off until a GPU run checks it
-(the trained-model test, `dsquant demo --device cuda`, and `test_graph_decode_equals_eager_*`).
+(tens of us a step) counts where the host sets the pace (small models). Off: on the V2-Lite shape it
+bought nothing (H200, 2026-12-06, `GREEDY_GRAPH=1 TAG=greedy bash scripts/gpu.sh engineon` beside
+`engine`, batch-1 tok/s: INT4 513.8 / 515.7 without, BF16 425.8 / 428.7, FP8 494.9 / 493.5), and the
+tiny model's host split with it (`GREEDY_GRAPH=1 bash scripts/gpu.sh variance`) is not yet measured.
 """
 from __future__ import annotations
 
