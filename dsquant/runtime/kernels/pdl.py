@@ -33,6 +33,9 @@ import triton.language as tl
 ENABLED = os.environ.get("DSQUANT_PDL", "1") != "0"
 
 
+_ON = {"PDL": True, "launch_pdl": True}  # shared, only ever spread into a launch's kwargs
+
+
 @functools.lru_cache(maxsize=None)
 def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
@@ -40,10 +43,10 @@ def _supported(index: int) -> bool:
 
 def launch(device: torch.device) -> dict:
     """The kwargs that launch one kernel with PDL where it is on and supported (module doc)."""
-    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"PDL": True, "launch_pdl": True} if _supported(index) else {}
+    return _ON if _supported(index) else {}
 
 
 @triton.jit
