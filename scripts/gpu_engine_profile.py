@@ -6,6 +6,9 @@ a few batch-1 decode steps (CPU and CUDA time per op), written under OUT_DIR.
 PROFILE_BATCH=N (default 0: off) adds the same for N concurrent sequences (bench engine's 512-token
 prompts): each step's wall time (unsynchronized, as the bench runs) over a full run (prefill steps against decode
 steps), and the kernels of 5 replays of the batch-N decode graph with the run's own inputs staged.
+With programmatic dependent launch on (runtime/kernels/pdl.py, the default) a kernel starts before the one
+ahead of it ends, so its profiled time includes that wait and the kernel times add up to more than the
+replay; run with DSQUANT_PDL=0 for per-kernel times that add up.
 """
 import json
 import logging
