@@ -18,7 +18,7 @@ H100 in one call, 2026-12-06, V2-Lite shape, batch-1 decode tok/s): INT4 481.9 -
 +1.2-2.9%. tests/kernels/test_pdl.py checks where the wait sits in each kernel's sm_90 SASS.
 
 ENABLED switches it for the whole process (on; DSQUANT_PDL=0 turns it off); `launch(device)`
-gives the kwargs of one launch: {} when off, on CPU, under TRITON_INTERPRET or before sm_90, else
+gives the kwargs of one launch: {} when off, on CPU, under TRITON_INTERPRET, on ROCm or before sm_90, else
 {"PDL": True, "launch_pdl": True} (the kernel's constexpr and Triton's launch option together).
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ _ON = {"PDL": True, "launch_pdl": True}  # shared, only ever spread into a launc
 
 @functools.lru_cache(maxsize=None)
 def _supported(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """An NVIDIA GPU of sm_90 or later (ROCm reports its own capabilities through torch.cuda)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def launch(device: torch.device) -> dict:
