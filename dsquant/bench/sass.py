@@ -122,8 +122,9 @@ def compile_sm90(p: Preset, num_warps: int | None = None):
                           options=dict(num_warps=num_warps or p.num_warps, num_stages=1))
 
 
-def _tool(name: str) -> str:
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+def tool_path(name: str) -> Path:
+    """One of the NVIDIA tools Triton ships (ptxas, cuobjdump)."""
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
 
 
 def sass_of(kernel, workdir: Path, tag: str) -> tuple[str, str]:
@@ -131,9 +132,9 @@ def sass_of(kernel, workdir: Path, tag: str) -> tuple[str, str]:
     workdir.mkdir(parents=True, exist_ok=True)
     cubin = workdir / f"{tag}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
-    sass = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+    sass = subprocess.run([str(tool_path("cuobjdump")), "-sass", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
-    res = subprocess.run([_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+    res = subprocess.run([str(tool_path("cuobjdump")), "-res-usage", str(cubin)], capture_output=True, text=True,
                          check=True).stdout
     return sass, " ".join(re.findall(r"REG:\d+", res))
 

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
 
+from dsquant.bench.sass import tool_path
 from dsquant.runtime.kernels import pdl
 
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-needs_ptxas = pytest.mark.skipif(not PTXAS.exists(), reason="Triton's ptxas is not installed")
+needs_ptxas = pytest.mark.skipif(not tool_path("ptxas").exists(), reason="Triton's ptxas is not installed")
 
 # (preset, constexpr overrides, whether weights are loaded before the wait)
 CASES = [

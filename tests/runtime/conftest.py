@@ -47,6 +47,14 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
+def wide_moe(tmp_path_factory):
+    """A DeepSeek-V2 whose experts are 128 x 128, the smallest the INT4 / FP8 grouped GEMMs take."""
+    path = tmp_path_factory.mktemp("wide_moe")
+    build_hf("deepseek_v2", hidden_size=128, intermediate_size=128, moe_intermediate_size=128).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """family -> (hf model, checkpoint dir)."""
     out = {}

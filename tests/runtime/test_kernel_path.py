@@ -42,14 +42,6 @@ def test_kernels_match_torch_path(family, tiny_models):
         assert mlp.backend.num_folded(mlp) == 1 and mlp.backend.weights[mlp].num_experts == 9
 
 
-@pytest.fixture(scope="module")
-def wide_moe(tmp_path_factory):
-    """A DeepSeek-V2 whose experts are 128 x 128, the smallest the INT4 / FP8 grouped GEMMs take."""
-    path = tmp_path_factory.mktemp("wide_moe")
-    build_hf("deepseek_v2", hidden_size=128, intermediate_size=128, moe_intermediate_size=128).save_pretrained(path)
-    return path
-
-
 @CPU_ONLY
 @pytest.mark.parametrize("scheme,fmt,folded", [("awq", "int4", 1), ("fp8", "fp8", 1), ("gptq", "bf16", 0)])
 def test_fused_moe_over_quantized_experts(scheme, fmt, folded, wide_moe, tmp_path):

@@ -9,16 +9,8 @@ from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
 from dsquant.runtime.kernels import pdl
 
-from conftest import build_hf, random_prompts
+from conftest import random_prompts
 from test_quantized_checkpoints import write_pair
-
-
-@pytest.fixture(scope="module")
-def wide_moe(tmp_path_factory):
-    """A DeepSeek-V2 whose experts are 128 x 128, the smallest the INT4 / FP8 kernels take."""
-    path = tmp_path_factory.mktemp("wide_moe_pdl")
-    build_hf("deepseek_v2", hidden_size=128, intermediate_size=128, moe_intermediate_size=128).save_pretrained(path)
-    return path
 
 
 def _decode(path, prompts):
