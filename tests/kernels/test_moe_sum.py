@@ -83,3 +83,63 @@ def test_moe_sum_bf16(t, p, h, mode, device):
     pieces, weights, shared, residual = _inputs(t, p, h, torch.bfloat16, device)
     _check(pieces, weights, 2 if mode == "folded" else 0, shared if mode == "shared" else None, residual,
            exact=False)
+
+
+def _sum_norm_case(t, p, h, dtype, device, mode, seed=0):
+    from dsquant.runtime.kernels.moe.moe_sum import MoESumInputs
+
+    torch.manual_seed(seed)
+    pieces, weights, shared, residual = _inputs(t, p, h, dtype, device)
+    weights[0, 0] = 0.0  # a pair on another rank: its piece is not read
+    pieces[0, 0] = float("nan")
+    norm_w = torch.exp(torch.randn(h, device=device)).to(dtype)
+    return MoESumInputs(pieces, weights, 2 if mode == "folded" else 0, shared if mode == "shared" else None,
+                        residual, (1, t, h)), norm_w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,p,h", [(1, 8, 256), (3, 4, 200), (2, 3, 2048)])
+@pytest.mark.parametrize("mode", ["plain", "folded", "shared"])
+def test_moe_sum_rms_norm_equals_two_launches(dtype, t, p, h, mode, device):
+    """The one-launch sum + norm is the two launches' result bit for bit (same per-column sums,
+    the same variance reduction), in the layer output's shape."""
+    from dsquant.runtime.kernels.moe.moe_sum import moe_sum_rms_norm
+    from dsquant.runtime.kernels.ops.rmsnorm import rms_norm
+
+    inputs, norm_w = _sum_norm_case(t, p, h, dtype, device, mode)
+    normed, hidden = moe_sum_rms_norm(inputs, norm_w, 1e-6)
+    summed = inputs.materialize()
+    assert hidden.shape == normed.shape == (1, t, h)
+    assert torch.isfinite(hidden).all() and torch.isfinite(normed).all()
+    assert torch.equal(hidden, summed)
+    assert torch.equal(normed, rms_norm(summed, norm_w, 1e-6))
+
+
+def test_moe_sum_rms_norm_rejects_bad_weight(device):
+    from dsquant.runtime.kernels.moe.moe_sum import moe_sum_rms_norm
+
+    inputs, norm_w = _sum_norm_case(2, 3, 64, torch.float32, device, "plain")
+    with pytest.raises(ValueError, match="norm weight has shape"):
+        moe_sum_rms_norm(inputs, norm_w[:32], 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 5, 64])
+@pytest.mark.parametrize("h", [2048, 7168])
+def test_moe_sum_rms_norm_bf16_and_fp8_codes(t, h, device, monkeypatch):
+    """bf16 at DeepSeek sizes, bit for bit the two launches; with quant, the FP8 codes rms_norm
+    itself attaches (both the padded cuBLAS layout and the GEMVs')."""
+    from dsquant.runtime.kernels.gemm import fp8_quant
+    from dsquant.runtime.kernels.moe.moe_sum import moe_sum_rms_norm
+    from dsquant.runtime.kernels.ops.rmsnorm import rms_norm
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    inputs, norm_w = _sum_norm_case(t, 8, h, torch.bfloat16, device, "folded", seed=t)
+    normed, hidden = moe_sum_rms_norm(inputs, norm_w, 1e-6, quant=torch.cuda.get_device_capability() >= (9, 0))
+    summed = inputs.materialize()
+    ref = rms_norm(summed, norm_w, 1e-6, quant=True)
+    assert torch.equal(hidden, summed) and torch.equal(normed, ref)
+    got, want = fp8_quant.attached(normed), fp8_quant.attached(ref)
+    if want is not None:
+        assert got is not None and got.column_major == want.column_major
+        assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(got.scale, want.scale)

@@ -119,6 +119,7 @@ def test_norm_quant_bitwise_gpu(m, h, monkeypatch):
 def test_prequantized_linear_equals_own_quant_gpu(m, k, n, monkeypatch):
     """fp8_block_linear_prequantized on a norm's codes == fp8_block_linear quantizing by launch."""
     _gpu_fp8()
+    from dsquant.runtime.kernels.gemm import gemm_configs
     from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear, fp8_block_linear_prequantized
     from tests.kernels.fp8_cases import fp8_weights
 
@@ -129,7 +130,12 @@ def test_prequantized_linear_equals_own_quant_gpu(m, k, n, monkeypatch):
     ws = cublas_scale_layout(ws.float())
     x, residual, weight = _norm_inputs(m, k, seed=m, device="cuda", dtype=torch.bfloat16)
     normed = rmsnorm.rms_norm(x, weight, 1e-6, quant=True)
-    y = fp8_block_linear_prequantized(normed, fp8_quant.attached(normed), wq, ws)
+    act = fp8_quant.attached(normed)
+    y = fp8_block_linear_prequantized(normed, act, wq, ws)
+    path = gemm_configs.fp8_config(m, n, k, "cuda").path
+    if path == "cublas" and not act.column_major:  # M <= 4 on a large weight: the caller quantizes
+        assert y is None
+        return
     assert y is not None and y.shape == (m, n)
     ref = fp8_block_linear(normed, wq, ws, fuse_quant=False)
     assert torch.equal(y, ref)
@@ -147,9 +153,11 @@ def test_fused_moe_takes_norm_codes_gpu(t, monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     e, h, inter, top_k = 8, 2048, 1408, 3
-    w13 = quantize_fp8_block(realistic_weight(e, 2 * inter, h, seed=3, draw_device="cuda"))
-    w2 = quantize_fp8_block(realistic_weight(e, h, inter, seed=4, draw_device="cuda"))
-    weights = MoeWeights(fp8_experts(*(a.cuda() for a in w13)), fp8_experts(*(a.cuda() for a in w2)))
+    def stack(n, k, seed):  # [E, N, K] e4m3 and [E, N/128, K/128] scales, expert by expert
+        blocks = [quantize_fp8_block(realistic_weight(n, k, seed=seed + i, draw_device="cuda")) for i in range(e)]
+        return fp8_experts(torch.stack([b[0] for b in blocks]).cuda(), torch.stack([b[1] for b in blocks]).cuda())
+
+    weights = MoeWeights(stack(2 * inter, h, 3), stack(h, inter, 40))
     x, _, weight = _norm_inputs(t, h, seed=t, device="cuda", dtype=torch.bfloat16)
     normed = rmsnorm.rms_norm(x, weight, 1e-6, quant=True)
     ids = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(i))[:top_k] for i in range(t)])

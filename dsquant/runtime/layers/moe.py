@@ -139,13 +139,15 @@ class FusedMoE:
             w2 = bf16_experts(dense("down_proj").contiguous())
         return w13, w2
 
-    def experts(self, module, x, topk_ids, topk_weights, shared_output=None, residual=None):
+    def experts(self, module, x, topk_ids, topk_weights, shared_output=None, residual=None, defer_sum=False):
         """x [T, hidden]; topk_ids, topk_weights [T, k]; shared_output, residual [T, hidden] or None
         -> [T, hidden]: the weighted expert sum (+ shared_output) (+ residual), the sum and adds in
-        one launch (kernels/moe/moe_sum.py, rounding as the reference's separate adds)."""
+        one launch (kernels/moe/moe_sum.py, rounding as the reference's separate adds); defer_sum:
+        that launch's arguments (moe_sum.MoESumInputs), for the caller to sum later."""
         from dsquant.runtime.kernels.moe.fused_moe import fused_moe, with_shared_experts
 
         weights, n = self.weights[module], self.folded.get(module, 0)
         if n and topk_ids.shape[1] == module.gate.routing.top_k:  # routing without the shared columns
             topk_weights, topk_ids = with_shared_experts(topk_weights, topk_ids, weights.num_experts - n, n)
-        return fused_moe(x, weights, topk_weights, topk_ids, shared_output, residual=residual, n_shared=n)
+        return fused_moe(x, weights, topk_weights, topk_ids, shared_output, residual=residual, n_shared=n,
+                         defer_sum=defer_sum)

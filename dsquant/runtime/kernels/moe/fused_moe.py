@@ -40,7 +40,7 @@ from dsquant.runtime.kernels.moe.int4_dequant import dequantize_int4_grouped
 from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size, one_block_per_pair
 from dsquant.runtime.kernels.moe.moe_gemm import GemmConfig, GroupedWeight, moe_gemm
 from dsquant.runtime.kernels.moe.moe_gemv import MOE_GEMV_MAX_PAIRS, moe_gemv_int4, reserve_gemv_counters
-from dsquant.runtime.kernels.moe.moe_sum import moe_sum
+from dsquant.runtime.kernels.moe.moe_sum import MoESumInputs, moe_sum
 
 # INT4 experts with at least this many (token, expert) pairs per expert (a prefill chunk) are
 # dequantized to the activation dtype once per call (int4_dequant.py) and run the bf16 grouped GEMM,
@@ -141,9 +141,10 @@ def pick_configs(num_pairs: int, num_experts: int, fmt: str):
 def fused_moe(hidden: torch.Tensor, weights: MoeWeights, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, shared_output: torch.Tensor | None = None,
               configs: tuple[GemmConfig, GemmConfig] | None = None, residual: torch.Tensor | None = None,
-              n_shared: int = 0) -> torch.Tensor:
+              n_shared: int = 0, defer_sum: bool = False):
     """hidden [T, H], topk_weights [T, P], topk_ids [T, P] (the last n_shared columns folded shared
-    experts), shared_output / residual [T, H] or None -> [T, H] (see module docstring)."""
+    experts), shared_output / residual [T, H] or None -> [T, H] (see module docstring); defer_sum:
+    moe_sum's arguments (MoESumInputs) instead, for a later launch to sum."""
     t, h = hidden.shape
     if h != weights.w13.k:
         raise ValueError(f"hidden size {h} differs from the experts' {weights.w13.k}")
@@ -151,6 +152,8 @@ def fused_moe(hidden: torch.Tensor, weights: MoeWeights, topk_weights: torch.Ten
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be [T={t}, top_k]")
     pieces = expert_outputs(hidden, weights, topk_ids, configs)  # [T, P, H]
+    if defer_sum:
+        return MoESumInputs(pieces, topk_weights.float(), n_shared, shared_output, residual, (t, h))
     return moe_sum(pieces, topk_weights.float(), n_shared, shared_output, residual)
 
 

@@ -25,6 +25,39 @@ from dsquant.runtime.kernels.gemm.fp8_quant import quant_group_fp8
 
 
 @triton.jit
+def norm_row(s, w_ptr, out_ptr, cols, mask, hidden, eps):
+    """The normalised row s [BLOCK] (activation dtype) times the weight, rounded as the reference
+    module rounds it -> [BLOCK] in out's dtype."""
+    s32 = s.to(tl.float32)
+    var = tl.sum(s32 * s32, axis=0) / hidden
+    normed = (s32 * tl.rsqrt(var + eps)).to(s.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return (normed * w).to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
+def store_row_fp8(y, q_ptr, qs_ptr, row, cols, mask, hidden, stride_q, stride_qsm, stride_qsg,
+                  BLOCK: tl.constexpr):
+    """Row y [BLOCK]'s codes and per-128 scales (fp8_quant.per_token_group_quant_fp8's arithmetic)."""
+    q, scale = quant_group_fp8(tl.reshape(y.to(tl.float32), [BLOCK // 128, 128]), 1)
+    tl.store(q_ptr + row * stride_q + tl.reshape(cols, [BLOCK // 128, 128]), q,
+             mask=tl.reshape(mask, [BLOCK // 128, 128]))
+    g = tl.arange(0, BLOCK // 128)
+    tl.store(qs_ptr + row * stride_qsm + g * stride_qsg, scale, mask=g * 128 < hidden)
+
+
+@triton.jit
+def store_zero_fp8(q_ptr, qs_ptr, row, cols, mask, hidden, stride_q, stride_qsm, stride_qsg,
+                   BLOCK: tl.constexpr):
+    """A padding row of the FP8 codes: zero codes, zero scales."""
+    tl.store(q_ptr + row * stride_q + cols, tl.zeros([BLOCK], dtype=tl.float32).to(q_ptr.dtype.element_ty),
+             mask=mask)
+    g = tl.arange(0, BLOCK // 128)
+    tl.store(qs_ptr + row * stride_qsm + g * stride_qsg, tl.zeros([BLOCK // 128], dtype=tl.float32),
+             mask=g * 128 < hidden)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr, rows, hidden, eps,
                      stride_x, stride_res, stride_out, stride_res_out, stride_q, stride_qsm, stride_qsg,
                      HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
@@ -41,24 +74,17 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, qs_ptr,
             r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
             s = (s.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(res_out_ptr + row * stride_res_out + cols, s, mask=mask)
-        s32 = s.to(tl.float32)
-        var = tl.sum(s32 * s32, axis=0) / hidden
-        normed = (s32 * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (normed * w).to(out_ptr.dtype.element_ty)
+        y = norm_row(s, w_ptr, out_ptr, cols, mask, hidden, eps)
         tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
         if QUANT:  # the stored values, per 128 channels: fp8_quant.per_token_group_quant_fp8's codes
-            q, scale = quant_group_fp8(tl.reshape(y.to(tl.float32), [BLOCK // 128, 128]), 1)
-            tl.store(q_ptr + row * stride_q + tl.reshape(cols, [BLOCK // 128, 128]), q,
-                     mask=tl.reshape(mask, [BLOCK // 128, 128]))
-            g = tl.arange(0, BLOCK // 128)
-            tl.store(qs_ptr + row * stride_qsm + g * stride_qsg, scale, mask=g * 128 < hidden)
+            store_row_fp8(y, q_ptr, qs_ptr, row, cols, mask, hidden, stride_q, stride_qsm, stride_qsg, BLOCK)
     elif QUANT:
-        tl.store(q_ptr + row * stride_q + cols, tl.zeros([BLOCK], dtype=tl.float32).to(q_ptr.dtype.element_ty),
-                 mask=mask)
-        g = tl.arange(0, BLOCK // 128)
-        tl.store(qs_ptr + row * stride_qsm + g * stride_qsg, tl.zeros([BLOCK // 128], dtype=tl.float32),
-                 mask=g * 128 < hidden)
+        store_zero_fp8(q_ptr, qs_ptr, row, cols, mask, hidden, stride_q, stride_qsm, stride_qsg, BLOCK)
+
+
+def norm_warps(block: int) -> int:
+    """Warps of a one-row-per-program norm launch (the variance's summation order follows them)."""
+    return min(16, max(1, block // 256))
 
 
 def _rows(t: torch.Tensor, name: str, hidden: int) -> torch.Tensor:
@@ -95,7 +121,7 @@ def _launch(x, residual, weight, eps, quant: bool = False):
             x2, res2, weight, out, res_out, q, qs, t, hidden, eps,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), q.stride(0), qs.stride(0),
             qs.stride(1) if quant else 0, HAS_RESIDUAL=residual is not None, QUANT=quant, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)), **pdl.launch(x2.device))
+            num_warps=norm_warps(block), **pdl.launch(x2.device))
     out = out.view(x.shape)
     if act is not None:
         fp8_quant.attach(out, act)
