@@ -5,8 +5,9 @@ Triton launch each; scripts/count_decode_ops.py counts them per layer.
 Each class subclasses the plain module; with kernels on, the model builder (runtime/model_builder.py)
 passes them in `Backends` (models/layers.py), so the model is built of them from the start:
   norm_cls           TritonRMSNorm: one runtime/kernels/ops/rmsnorm.py launch (x [..., H], weight [H]);
-                     where W8A8 FP8 linears or FP8 experts read its output (mark_fp8_norms, at load)
-                     the launch also quantizes that output for them, so they run no quantization launch
+                     with FP8_NORM_QUANT (off: measured slower), where W8A8 FP8 linears or FP8 experts
+                     read its output (mark_fp8_norms, at load), the launch also quantizes that output
+                     for them, so they run no quantization launch
   decoder_layer_cls  FusedAddNormDecoderLayer: the residual add after attention fused into
                      post_attention_layernorm (fused_add_rms_norm), one launch for add + norm; on
                      MoE layers the residual add after the MLP joins the experts' sum (TritonMoE),
