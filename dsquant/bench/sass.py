@@ -82,13 +82,11 @@ def preset(name: str) -> Preset:
                                                               "stride_wsn", "stride_om"], [], 4)
     if name == "rms_norm":
         from dsquant.runtime.kernels.ops import rmsnorm as mod
-        args = _typed("x_ptr res_ptr w_ptr out_ptr res_out_ptr q_ptr qs_ptr",
-                      "*bf16 *bf16 *bf16 *bf16 *bf16 *fp8e4nv *fp32")
-        args += [("rows", "i32"), ("hidden", "i32"), ("eps", "fp32")]
-        args += _ints("stride_x stride_res stride_out stride_res_out stride_q stride_qsm stride_qsg")
-        ce = dict(HAS_RESIDUAL=True, QUANT=True, BLOCK=2048, PDL=False)
+        args = _typed("x_ptr res_ptr w_ptr out_ptr res_out_ptr", "*bf16 *bf16 *bf16 *bf16 *bf16")
+        args += [("hidden", "i32"), ("eps", "fp32")] + _ints("stride_x stride_res stride_out stride_res_out")
+        ce = dict(HAS_RESIDUAL=True, BLOCK=2048, PDL=False)
         return Preset(mod._rms_norm_kernel, args, ce, ["hidden", "stride_x", "stride_res", "stride_out",
-                                                       "stride_res_out", "stride_q"], [], 8)
+                                                       "stride_res_out"], [], 8)
     if name == "router_logits":
         from dsquant.runtime.kernels.moe import router_gemv as mod
         args = _typed("x_ptr", "*bf16") + [("stride_xt", "i32")] + _typed("w_ptr out_ptr", "*bf16 *fp32")

@@ -57,8 +57,6 @@ def build_runner(path: Path, c: EngineConfig, device: torch.device, reader=None,
 
     model = load_runtime_model(path, backends, c.dtype, device, verify=c.verify_checksums, prepare_layer=prepare,
                                kernels=use_kernels, reader=reader, parallel=parallel)
-    if use_kernels:
-        fused.mark_fp8_norms(model)  # norms quantize their outputs for FP8 consumers
     dtype = next(model.parameters()).dtype if c.dtype is None else c.dtype
     max_model_len = c.max_model_len or model.config.max_position_embeddings
     return runner_cls(model, attention, RunnerConfig(

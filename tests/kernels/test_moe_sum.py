@@ -126,20 +126,13 @@ def test_moe_sum_rms_norm_rejects_bad_weight(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 5, 64])
 @pytest.mark.parametrize("h", [2048, 7168])
-def test_moe_sum_rms_norm_bf16_and_fp8_codes(t, h, device, monkeypatch):
-    """bf16 at DeepSeek sizes, bit for bit the two launches; with quant, the FP8 codes rms_norm
-    itself attaches (both the padded cuBLAS layout and the GEMVs')."""
-    from dsquant.runtime.kernels.gemm import fp8_quant
+def test_moe_sum_rms_norm_bf16(t, h, device, monkeypatch):
+    """bf16 at DeepSeek sizes (a 7168 row is an 8192 block): bit for bit the two launches."""
     from dsquant.runtime.kernels.moe.moe_sum import moe_sum_rms_norm
     from dsquant.runtime.kernels.ops.rmsnorm import rms_norm
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     inputs, norm_w = _sum_norm_case(t, 8, h, torch.bfloat16, device, "folded", seed=t)
-    normed, hidden = moe_sum_rms_norm(inputs, norm_w, 1e-6, quant=torch.cuda.get_device_capability() >= (9, 0))
+    normed, hidden = moe_sum_rms_norm(inputs, norm_w, 1e-6)
     summed = inputs.materialize()
-    ref = rms_norm(summed, norm_w, 1e-6, quant=True)
-    assert torch.equal(hidden, summed) and torch.equal(normed, ref)
-    got, want = fp8_quant.attached(normed), fp8_quant.attached(ref)
-    if want is not None:
-        assert got is not None and got.column_major == want.column_major
-        assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(got.scale, want.scale)
+    assert torch.equal(hidden, summed) and torch.equal(normed, rms_norm(summed, norm_w, 1e-6))

@@ -4,10 +4,7 @@ Triton launch each; scripts/count_decode_ops.py counts them per layer.
 
 Each class subclasses the plain module; with kernels on, the model builder (runtime/model_builder.py)
 passes them in `Backends` (models/layers.py), so the model is built of them from the start:
-  norm_cls           TritonRMSNorm: one runtime/kernels/ops/rmsnorm.py launch (x [..., H], weight [H]);
-                     with FP8_NORM_QUANT (off: measured slower), where W8A8 FP8 linears or FP8 experts
-                     read its output (mark_fp8_norms, at load), the launch also quantizes that output
-                     for them, so they run no quantization launch
+  norm_cls           TritonRMSNorm: one runtime/kernels/ops/rmsnorm.py launch (x [..., H], weight [H])
   decoder_layer_cls  FusedAddNormDecoderLayer: the residual add after attention fused into
                      post_attention_layernorm (fused_add_rms_norm), one launch for add + norm; on
                      MoE layers the residual add after the MLP joins the experts' sum (TritonMoE),
@@ -53,14 +50,12 @@ def runs_triton(t: torch.Tensor) -> bool:
 
 
 class TritonRMSNorm(RMSNorm):
-    emit_fp8 = False  # also quantize the output for W8A8 FP8 consumers (set by mark_fp8_norms)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not runs_triton(x):
             return super().forward(x)
         from dsquant.runtime.kernels.ops.rmsnorm import rms_norm
 
-        return rms_norm(x, self.weight, self.eps, quant=self.emit_fp8)  # [..., H]
+        return rms_norm(x, self.weight, self.eps)  # [..., H]
 
 
 DEFER_MOE_SUM = True  # False: every MoE layer sums its experts in its own launch (A/B switch)
@@ -79,8 +74,7 @@ class FusedAddNormDecoderLayer(DecoderLayer):
         if isinstance(hidden, MoESumInputs):
             norm = self.input_layernorm
             if runs_triton(hidden.pieces):
-                normed_in, hidden = moe_sum_rms_norm(hidden, norm.weight, norm.eps,
-                                                     quant=getattr(norm, "emit_fp8", False))
+                normed_in, hidden = moe_sum_rms_norm(hidden, norm.weight, norm.eps)
                 return self._after_input_norm(normed_in, hidden, ctx)
             hidden = hidden.materialize()
         if not runs_triton(hidden):
@@ -92,8 +86,7 @@ class FusedAddNormDecoderLayer(DecoderLayer):
 
         attn = self.all_reduce(self.self_attn(normed_in, ctx))
         norm = self.post_attention_layernorm
-        normed, hidden = fused_add_rms_norm(attn, hidden, norm.weight, norm.eps,
-                                            quant=getattr(norm, "emit_fp8", False))  # add, then norm
+        normed, hidden = fused_add_rms_norm(attn, hidden, norm.weight, norm.eps)  # add, then norm
         if isinstance(self.mlp, TritonMoE) and self.mlp.adds_residual():
             # experts' sum + shared + residual: one launch, or deferred into the next layer's input norm
             return self.mlp(normed, residual=hidden, defer_sum=DEFER_MOE_SUM and not self.is_last)
@@ -112,10 +105,8 @@ class TritonMoE(MoE):
         if not runs_triton(x) or not self.adds_residual():
             out = super().forward(x)
             return out if residual is None else residual + out
-        from dsquant.runtime.kernels.gemm import fp8_quant
-
         shape = x.shape
-        flat = fp8_quant.carry(x, x.reshape(-1, shape[-1]))  # [T, hidden]; FP8 codes of x stay with it
+        flat = x.reshape(-1, shape[-1])  # [T, hidden]
         folded = self.backend.num_folded(self)  # shared experts run as experts E .. E + folded - 1
         weights, ids = self.gate(flat, n_shared=folded)  # [T, top_k + folded]
         shared = self.shared_experts(flat) if self.shared_experts is not None and not folded else None
@@ -221,49 +212,3 @@ class TritonMLAttention(MLAttention):
                    layout="interleaved" if self.rope_interleave else "neox")
         return q_pe, k_pe
 
-
-def _w8a8(linear) -> bool:
-    """A kernel-path FP8 block linear that quantizes its input (dynamic activations)."""
-    method = getattr(linear, "method", None)
-    return (isinstance(linear, QuantLinear) and method.name == "fp8_block" and method.dynamic_activations
-            and method.kernels)
-
-
-# Off: measured slower. With it on, the H100 engine (V2-Lite shape, 2026-12-06) ran FP8 at batch 1 in
-# 2.176 ms a token against 2.113 off, and at 64 sequences 8.691 against 8.647 ms: the norm's one
-# program per token quantizes 16 groups serially (IEEE divisions on the critical path), where the
-# K-block GEMV spreads that work over its programs and the quant launch it saves costs less under PDL.
-FP8_NORM_QUANT = False  # True: mark_fp8_norms marks the norms that feed FP8 consumers
-
-
-def mark_fp8_norms(model) -> int:
-    """Set emit_fp8 on each TritonRMSNorm whose output W8A8 FP8 linears or FP8 experts read, so the
-    norm's launch quantizes it for them (kernels/ops/rmsnorm.py): a decoder layer's input norm before
-    FP8 attention input projections, MLA's q_a_layernorm before an FP8 q_b_proj, the post-attention
-    norm before FP8 experts (FusedMoE) or an FP8 dense MLP. Returns how many norms it marked."""
-    marked = 0
-    if not FP8_NORM_QUANT:
-        return marked
-
-    def mark(norm, consumers, fp8_experts: bool = False) -> None:
-        nonlocal marked
-        if isinstance(norm, TritonRMSNorm) and (fp8_experts or any(_w8a8(m) for m in consumers)):
-            norm.emit_fp8 = True
-            marked += 1
-
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        fused_in = getattr(attn, "fused_qkv_a", None)
-        mark(layer.input_layernorm, [fused_in] if fused_in is not None else
-             [getattr(attn, n, None) for n in ("q_proj", "q_a_proj", "kv_a_proj_with_mqa", "k_proj", "v_proj")])
-        if getattr(attn, "q_a_layernorm", None) is not None:
-            mark(attn.q_a_layernorm, [attn.q_b_proj])
-        mlp = layer.mlp
-        if isinstance(mlp, TritonMoE):
-            weights = mlp.backend.weights.get(mlp) if isinstance(mlp.backend, FusedMoE) else None
-            shared = mlp.shared_experts
-            mark(layer.post_attention_layernorm, [shared.gate_proj, shared.up_proj] if shared is not None else [],
-                 fp8_experts=weights is not None and weights.w13.format == "fp8")
-        elif isinstance(mlp, GatedMLP):
-            mark(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])
-    return marked

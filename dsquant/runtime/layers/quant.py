@@ -195,15 +195,8 @@ class FP8BlockMethod(LinearMethod):
                 return super().apply(layer, x)
             y = F.linear(fp8_block.fp8_activation_roundtrip(x, dtype=torch.float32), layer.cpu_weight)
             return (y if layer.bias is None else y + layer.bias).to(x.dtype)
-        from dsquant.runtime.kernels.gemm import fp8_quant
-        from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear, fp8_block_linear_prequantized
+        from dsquant.runtime.kernels.gemm.fp8_gemm import fp8_block_linear
 
-        act = fp8_quant.attached(x) if self.dynamic_activations else None
-        if act is not None:  # quantized by its producer (an rms_norm): no quantization launch
-            y = fp8_block_linear_prequantized(x, act, layer.weight, layer.weight_scale_inv,
-                                              getattr(layer, "splitk_counters", None))
-            if y is not None:
-                return y if layer.bias is None else y + layer.bias
         y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv,
                              weight_only=None if self.dynamic_activations else True,
                              splitk_counters=getattr(layer, "splitk_counters", None))  # [..., N]

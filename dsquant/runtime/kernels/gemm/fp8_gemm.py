@@ -32,7 +32,7 @@ import triton.language as tl
 from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.gemm.fp8_gemv import fp8_gemv
 from dsquant.runtime.kernels.gemm.fp8_gemv_kblock import fp8_gemv_kblock
-from dsquant.runtime.kernels.gemm.fp8_quant import QuantizedAct, per_token_group_quant_fp8, quant_group_fp8
+from dsquant.runtime.kernels.gemm.fp8_quant import per_token_group_quant_fp8, quant_group_fp8
 from dsquant.runtime.kernels.gemm.gemm_configs import (DECODE_MAX_M, FP8_GEMV_MAX_M, GemmConfig,
                                                   fp8_config, fp8_tiled_config, kblock_fuses_quant)
 from dsquant.runtime.kernels.gemm.splitk import split_range, splitk_buffers, store_tile, swizzled_tile
@@ -245,32 +245,6 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         out.stride(0), split, A_MODE=mode, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
         SWIZZLE=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x.device))
     return out.reshape(*x.shape[:-1], n)
-
-
-def fp8_block_linear_prequantized(x: torch.Tensor, act: QuantizedAct, weight: torch.Tensor,
-                                  weight_scale_inv: torch.Tensor,
-                                  splitk_counters: torch.Tensor | None = None) -> torch.Tensor | None:
-    """fp8_block_linear of x [..., K] (16-bit) from `act`, x already quantized by its producer
-    (fp8_quant.attach), so no quantization launch runs; y [..., N] in x's dtype, equal to
-    fp8_block_linear(x) bit for bit. None where act's scale layout does not suit the path the
-    config takes at this M (row-major for the GEMVs, padded column-major for cuBLAS) or the GPU
-    has no FP8 tensor cores: the caller quantizes as before."""
-    k = x.shape[-1]
-    m, n = act.rows, weight.shape[0]
-    if not has_fp8_mma(x.device):
-        return None
-    path = fp8_config(m, n, k, x.device).path
-    if path in ("gemv", "gemv_kblock") and act.column_major:
-        return None
-    if path == "cublas":
-        if not act.column_major:
-            return None
-        xq, xs = act.q, act.scale  # padded rows: cuBLAS takes them whole; their outputs are dropped
-    else:
-        xq, xs = act.unpadded()
-    y = fp8_block_linear(xq, weight, weight_scale_inv, x_scale=xs, out_dtype=x.dtype,
-                         splitk_counters=splitk_counters)  # [Mp or M, N]
-    return y[:m].reshape(*x.shape[:-1], n)
 
 
 def fp8_block_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,

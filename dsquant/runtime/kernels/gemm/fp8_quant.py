@@ -6,15 +6,8 @@ so x ~= x_fp8 * scale. The last group may be partial (K % G != 0). The scales co
 ([M, ceil(K/G)] contiguous) or column-major (stride 1 along M, what cuBLAS's blockwise
 `torch._scaled_mm` wants). `quant_group_fp8` is the same arithmetic as a `triton.jit` helper,
 which fp8_gemm.py calls to quantize a decode batch inside the GEMM.
-
-A producer that holds whole 128-channel groups of its output (rms_norm, say) can quantize them as it
-stores them and hand the result on as a `QuantizedAct` attached to its 16-bit output
-(`attach` / `attached`): an FP8 consumer then skips its own quantization launch. The codes and
-scales are bitwise those of per_token_group_quant_fp8 on the same 16-bit values.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -86,72 +79,6 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, column_major_sc
                                         s.stride(1), GROUP=group, GROUPS_PER_PROG=gpp, num_warps=4,
                                         **pdl.launch(x2.device))
     return q, s
-
-
-@dataclass
-class QuantizedAct:
-    """x [M, K] quantized per token and 128 channels: q float8_e4m3fn [Mp, K], scale fp32 [Mp, K/128],
-    Mp = M rounded up to rows_multiple (rows M.. are zero codes with zero scales). Column-major
-    scales with Mp a multiple of CUBLAS rows are what cuBLAS's blockwise GEMM takes; the GEMVs
-    take row-major ones with Mp = M."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    rows: int  # M
-    column_major: bool
-
-    def unpadded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [M, K], scale [M, K/128]) views."""
-        return self.q[:self.rows], self.scale[:self.rows]
-
-
-_ATTR = "dsquant_fp8_act"
-
-
-def act_layout(m: int) -> tuple[int, bool]:
-    """(rows_multiple, column_major) for a producer quantizing M tokens: the FP8 GEMVs serve
-    M <= FP8_GEMV_MAX_M (row-major, unpadded); above it cuBLAS (padded, column-major)."""
-    from dsquant.runtime.kernels.gemm.fp8_gemm import CUBLAS_ROWS
-    from dsquant.runtime.kernels.gemm.gemm_configs import FP8_GEMV_MAX_M
-
-    return (1, False) if m <= FP8_GEMV_MAX_M else (CUBLAS_ROWS, True)
-
-
-def act_buffers(m: int, k: int, device, group: int = 128) -> QuantizedAct:
-    """Uninitialised q / scale for a producer that writes every row, padding rows included."""
-    mult, col = act_layout(m)
-    mp = -(-m // mult) * mult
-    ng = triton.cdiv(k, group)
-    q = torch.empty(mp, k, dtype=torch.float8_e4m3fn, device=device)
-    s = torch.empty(ng, mp, dtype=torch.float32, device=device).t() if col else \
-        torch.empty(mp, ng, dtype=torch.float32, device=device)
-    return QuantizedAct(q, s, m, col)
-
-
-def attach(x: torch.Tensor, act: QuantizedAct) -> torch.Tensor:
-    """Hand `act` (x quantized) on with x; `attached(x)` returns it. The same tensor object must
-    reach the consumer (a reshape makes a new one: `carry` the attachment over)."""
-    setattr(x, _ATTR, act)
-    return x
-
-
-def attached(x: torch.Tensor) -> QuantizedAct | None:
-    """The QuantizedAct a producer attached to x, if it describes x's rows and channels."""
-    act = getattr(x, _ATTR, None)
-    if act is None or x.dim() == 0:
-        return None
-    k = x.shape[-1]
-    if act.q.shape[1] != k or act.rows * k != x.numel():
-        return None
-    return act
-
-
-def carry(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """dst (a reshape of src) keeps src's attachment."""
-    act = getattr(src, _ATTR, None)
-    if act is not None:
-        setattr(dst, _ATTR, act)
-    return dst
 
 
 def per_token_group_quant_fp8_reference(x: torch.Tensor, group: int = 128):

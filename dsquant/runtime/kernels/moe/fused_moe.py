@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dsquant.runtime.kernels.gemm import fp8_quant
 from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8
 from dsquant.runtime.kernels.moe.int4_dequant import dequantize_int4_grouped
 from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size, one_block_per_pair
@@ -192,14 +191,10 @@ def expert_outputs(hidden: torch.Tensor, weights: MoeWeights, topk_ids: torch.Te
 
 
 def _fp8_act(x: torch.Tensor, fmt: str, in_kernel: bool):
-    """(GEMM input, its scales): fp8 experts get x quantized here (quantize_act_fp8), or as its
-    producer quantized it (fp8_quant.attached: no launch), unless the GEMM quantizes it (in_kernel:
-    x and None); other formats x as it is."""
+    """(GEMM input, its scales): fp8 experts get x quantized here (quantize_act_fp8), unless the
+    GEMM quantizes it (in_kernel: x and None); other formats x as it is."""
     if fmt != "fp8" or in_kernel:
         return x, None
-    act = fp8_quant.attached(x)
-    if act is not None:
-        return act.unpadded()  # [T, K] codes, [T, K/128] scales (any layout: moe_gemm takes strides)
     return quantize_act_fp8(x)
 
 

@@ -16,7 +16,7 @@ Expert weight layouts (GroupedWeight.format), N output rows, K input columns, al
   [E, K/G, N] in the activation dtype, zeros uint8 [E, K/G, N]; W[n, k] = (q - z) * s,
   dequantised in registers two nibble planes per instruction (moe_int4_loop.py); BLOCK_K = 128.
 - "fp8": weight float8_e4m3fn [E, N, K], scale_inv fp32 [E, ceil(N/128), ceil(K/128)]; a is fp8
-  [rows, K] with a_scale fp32 [rows, ceil(K/128)] (per token per 128 channels, any strides), or a bf16/fp16
+  [rows, K] with a_scale fp32 [rows, ceil(K/128)] (per token per 128 channels), or a bf16/fp16
   a (a_scale None, A_QUANT) that each program quantizes per [BLOCK_M, 128] tile with
   fp8_quant.quant_group_fp8 (quantize_act_fp8's arithmetic; GPU only: the Triton interpreter
   mis-rounds in-kernel fp8 casts); BLOCK_K = 128.
@@ -81,7 +81,7 @@ def _load_weight_tile(w_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_wn
 def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_ptr,
                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
                      N, K, num_pairs, a_row_div,
-                     stride_am, stride_asm, stride_asg, stride_we, stride_wn, stride_se, stride_s1, stride_s2,
+                     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_s1, stride_s2,
                      stride_om,
                      W_FORMAT: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                      ROUTED: tl.constexpr, FP8_UPCAST: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr,
@@ -126,8 +126,7 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
                 if A_QUANT:  # per row of the tile: scale = max(amax, 1e-10) / 448, e4m3 codes
                     a, a_s = quant_group_fp8(a.to(tl.float32), 1)  # [BM, BLOCK_K] e4m3, [BM]
                 else:
-                    a_s = tl.load(a_scale_ptr + a_row * stride_asm + (k0 // 128) * stride_asg, mask=row_mask,
-                                  other=0.0)
+                    a_s = tl.load(a_scale_ptr + a_row * stride_asm + k0 // 128, mask=row_mask, other=0.0)
                 w_off = expert * stride_se + (k0 // 128) * stride_s2  # scale_inv [E, N/128, K/128]
                 w_s = tl.load(s_ptr + w_off + (offs_n // 128) * stride_s1, mask=n_mask, other=0.0)
                 if FP8_UPCAST:  # the Triton interpreter has no fp8 dot: same products in fp32
@@ -188,8 +187,7 @@ def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.
     _moe_gemm_kernel[grid](
         a, a_s, w.weight, s, z, out, tw, sorted_ids, align.expert_ids,
         num_post, n_out, w.k, align.num_pairs, a_row_div,
-        a.stride(0), a_s.stride(0), a_s.stride(1) if a_scale is not None else 0, w.weight.stride(0),
-        w.weight.stride(1), *s_strides, out.stride(0), W_FORMAT=fmt, GROUP=max(w.group_size, 1), GATED=gated,
+        a.stride(0), a_s.stride(0), w.weight.stride(0), w.weight.stride(1), *s_strides, out.stride(0), W_FORMAT=fmt, GROUP=max(w.group_size, 1), GATED=gated,
         ROUTED=topk_weights is not None, FP8_UPCAST=fp8_upcast, MAGIC=_MAGIC.get(a.dtype, 0),
         PAIRED=paired_default(), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PAIR_BLOCKS=pair_blocks, A_QUANT=a_quant,

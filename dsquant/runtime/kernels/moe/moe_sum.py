@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 
 from dsquant.runtime.kernels import pdl
-from dsquant.runtime.kernels.gemm import fp8_quant
-from dsquant.runtime.kernels.ops.rmsnorm import norm_row, norm_warps, quant_takes, store_row_fp8, store_zero_fp8
+from dsquant.runtime.kernels.ops.rmsnorm import norm_row, norm_warps
 
 
 @triton.jit
@@ -75,27 +74,19 @@ def _moe_sum_kernel(pieces_ptr, weights_ptr, shared_ptr, res_ptr, out_ptr, hidde
 
 @triton.jit
 def _moe_sum_rms_norm_kernel(pieces_ptr, weights_ptr, shared_ptr, res_ptr, out_ptr, w_ptr, normed_ptr,
-                             q_ptr, qs_ptr, rows, hidden, top_k, eps, stride_pt, stride_pp, stride_wt,
-                             stride_st, stride_rt, stride_ot, stride_nt, stride_q, stride_qsm, stride_qsg,
-                             N_SHARED: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                             QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """moe_sum's row, then rmsnorm.py's norm of it (and its FP8 codes under QUANT): one program per
-    token (grid padded past `rows` under QUANT, as rms_norm's)."""
+                             hidden, top_k, eps, stride_pt, stride_pp, stride_wt, stride_st, stride_rt,
+                             stride_ot, stride_nt, N_SHARED: tl.constexpr, HAS_SHARED: tl.constexpr,
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """moe_sum's row, then rmsnorm.py's norm of it: one program per token."""
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < hidden
     dtype = out_ptr.dtype.element_ty
-    if t < rows:
-        s = mlp_sum(pieces_ptr, weights_ptr, shared_ptr, res_ptr, t, cols, mask, top_k, stride_pt, stride_pp,
-                    stride_wt, stride_st, stride_rt, dtype, N_SHARED, HAS_SHARED, HAS_RESIDUAL).to(dtype)
-        tl.store(out_ptr + t * stride_ot + cols, s, mask=mask)
-        y = norm_row(s, w_ptr, normed_ptr, cols, mask, hidden, eps)
-        tl.store(normed_ptr + t * stride_nt + cols, y, mask=mask)
-        if QUANT:
-            store_row_fp8(y, q_ptr, qs_ptr, t, cols, mask, hidden, stride_q, stride_qsm, stride_qsg, BLOCK)
-    elif QUANT:
-        store_zero_fp8(q_ptr, qs_ptr, t, cols, mask, hidden, stride_q, stride_qsm, stride_qsg, BLOCK)
+    s = mlp_sum(pieces_ptr, weights_ptr, shared_ptr, res_ptr, t, cols, mask, top_k, stride_pt, stride_pp,
+                stride_wt, stride_st, stride_rt, dtype, N_SHARED, HAS_SHARED, HAS_RESIDUAL).to(dtype)
+    tl.store(out_ptr + t * stride_ot + cols, s, mask=mask)
+    tl.store(normed_ptr + t * stride_nt + cols, norm_row(s, w_ptr, normed_ptr, cols, mask, hidden, eps), mask=mask)
 
 
 def _rows(x: torch.Tensor | None, name: str, t: int, h: int) -> torch.Tensor | None:
@@ -159,10 +150,10 @@ class MoESumInputs:
         return moe_sum(self.pieces, self.weights, self.n_shared, self.shared, self.residual).view(self.shape)
 
 
-def moe_sum_rms_norm(inputs: MoESumInputs, norm_weight: torch.Tensor, eps: float,
-                     quant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_sum_rms_norm(inputs: MoESumInputs, norm_weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(s, norm_weight), s) for s = inputs.materialize(), in one launch, bit for bit the two
-    launches' values; quant as rms_norm's (the FP8 codes of the normed output, attached to it)."""
+    launches' values (the same per-column sums; the variance over the same block and warps)."""
     pieces = inputs.pieces
     shared, residual, w = _check(pieces, inputs.weights, inputs.n_shared, inputs.shared, inputs.residual)
     t, p, h = pieces.shape
@@ -172,20 +163,13 @@ def moe_sum_rms_norm(inputs: MoESumInputs, norm_weight: torch.Tensor, eps: float
         raise ValueError(f"moe_sum_rms_norm supports hidden sizes up to 16384, got {h}")
     out = torch.empty(t, h, dtype=pieces.dtype, device=pieces.device)
     normed = torch.empty_like(out)
-    quant = quant and t > 0 and quant_takes(h, pieces.device)
-    act = fp8_quant.act_buffers(t, h, pieces.device) if quant else None
-    q, qs = (act.q, act.scale) if quant else (out, out)
     if t:
         block = triton.next_power_of_2(h)
         sh = shared if shared is not None else out  # never read when absent
         res = residual if residual is not None else out
-        _moe_sum_rms_norm_kernel[(q.shape[0] if quant else t,)](
-            pieces, w, sh, res, out, norm_weight, normed, q, qs, t, h, p - inputs.n_shared, eps,
+        _moe_sum_rms_norm_kernel[(t,)](
+            pieces, w, sh, res, out, norm_weight, normed, h, p - inputs.n_shared, eps,
             pieces.stride(0), pieces.stride(1), w.stride(0), sh.stride(0), res.stride(0), out.stride(0),
-            normed.stride(0), q.stride(0), qs.stride(0), qs.stride(1) if quant else 0,
-            N_SHARED=inputs.n_shared, HAS_SHARED=shared is not None, HAS_RESIDUAL=residual is not None,
-            QUANT=quant, BLOCK=block, num_warps=norm_warps(block), **pdl.launch(out.device))
-    normed = normed.view(inputs.shape)
-    if act is not None:
-        fp8_quant.attach(normed, act)
-    return normed, out.view(inputs.shape)
+            normed.stride(0), N_SHARED=inputs.n_shared, HAS_SHARED=shared is not None,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=norm_warps(block), **pdl.launch(out.device))
+    return normed.view(inputs.shape), out.view(inputs.shape)
