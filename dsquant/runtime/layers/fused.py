@@ -7,9 +7,9 @@ passes them in `Backends` (models/layers.py), so the model is built of them from
   norm_cls           TritonRMSNorm: one runtime/kernels/ops/rmsnorm.py launch (x [..., H], weight [H])
   decoder_layer_cls  FusedAddNormDecoderLayer: the residual add after attention fused into
                      post_attention_layernorm (fused_add_rms_norm), one launch for add + norm; on
-                     MoE layers the residual add after the MLP joins the experts' sum (TritonMoE),
-                     and that sum runs inside the next layer's input norm launch (moe_sum_rms_norm:
-                     the layer returns moe_sum.MoESumInputs; the last layer sums its own).
+                     MoE layers the residual add after the MLP joins the experts' sum (TritonMoE);
+                     with DEFER_MOE_SUM that sum runs inside the next layer's input norm launch
+                     (moe_sum_rms_norm: the layer returns moe_sum.MoESumInputs; the last one sums its own).
   moe_cls            TritonMoE: on the FusedMoE backend, the routing emits the folded shared experts'
                      columns itself (moe_route n_shared), and the weighted top-k sum, the shared
                      experts' output and the decoder's residual add are one moe_sum.py launch. Not under
@@ -58,7 +58,9 @@ class TritonRMSNorm(RMSNorm):
         return rms_norm(x, self.weight, self.eps)  # [..., H]
 
 
-DEFER_MOE_SUM = True  # False: every MoE layer sums its experts in its own launch (A/B switch)
+# The MoE expert sum deferred into the next layer's input norm launch. Off until timed on a GPU (the
+# twenty-first session's device calls could not start a machine): DSQUANT_DEFER_MOE_SUM=1 turns it on.
+DEFER_MOE_SUM = os.environ.get("DSQUANT_DEFER_MOE_SUM", "0") == "1"
 
 
 class FusedAddNormDecoderLayer(DecoderLayer):
