@@ -22,17 +22,10 @@ def deep_moe(tmp_path_factory):
 
 
 def _cpu_decode(path, prompts):
-    from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
-    from dsquant.runtime.engine.sequence import SamplingParams
+    from dsquant.runtime.engine.llm_engine import EngineConfig
 
-    eng = LLMEngine(path, EngineConfig(device="cpu", dtype=torch.float32, block_size=16, num_blocks=32,
-                                       max_model_len=64, kernels=True, enforce_eager=True))
-    ids = [eng.add_request(p, SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True))
-           for p in prompts]
-    done = {}
-    while eng.has_unfinished():
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-    return [(done[i].token_ids, done[i].logprobs) for i in ids]
+    return _decode(path, prompts, EngineConfig(device="cpu", dtype=torch.float32, block_size=16, num_blocks=32,
+                                               max_model_len=64, kernels=True, enforce_eager=True), max_tokens=3)
 
 
 def test_deferred_sum_on_cpu_interpreter(deep_moe, monkeypatch):

@@ -13,11 +13,12 @@ from conftest import random_prompts
 from test_quantized_checkpoints import write_pair
 
 
-def _decode(path, prompts):
-    eng = LLMEngine(path, EngineConfig(device="cuda", dtype=torch.bfloat16, block_size=16, num_blocks=64,
-                                       max_model_len=128, cuda_graph_max_batch=8))
-    assert eng.runner.graphs is not None
-    ids = [eng.add_request(p, SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True))
+def _decode(path, prompts, config: EngineConfig | None = None, max_tokens: int = 12):
+    """(token ids, logprobs) of greedy decode per prompt; by default CUDA-graph decode in bf16."""
+    eng = LLMEngine(path, config or EngineConfig(device="cuda", dtype=torch.bfloat16, block_size=16, num_blocks=64,
+                                                 max_model_len=128, cuda_graph_max_batch=8))
+    assert config is not None or eng.runner.graphs is not None
+    ids = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=3, ignore_eos=True))
            for p in prompts]
     done = {}
     while eng.has_unfinished():
