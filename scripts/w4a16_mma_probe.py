@@ -2,7 +2,12 @@
 current w4a16_linear, on varied-scale weights; sweeps its launch configs and records the compiled
 code's shared-memory traffic.
 
-    python scripts/w4a16_mma_probe.py OUT.json [--shapes 7168x18432,...] [--m 1,4,16,64] [--rep-ms 10]
+    python scripts/w4a16_mma_probe.py OUT.json [--shapes 7168x18432,...] [--m 1,4,16,64] [--rep-ms 10] [--cold 256]
+
+Each row has the sweep config's time (us), bf16 cuBLAS (bf16_us), the old plain-order path (cur_us) and
+w4a16_linear on the engine's k-sliced weight, i.e. what gemm_configs dispatches today (rule_us). --cold MB
+cycles enough weight copies per timed call that they come from HBM, as each layer's do in the engine (the
+warm default times one L2-resident weight: the twenty-first session's warm winners did not move the engine).
 
 Weights: per-(row, group) scales spread over 10^-3..10^1 and 1% outlier input channels x 8, so every
 group's grid differs. Correctness: each config's output against the fp32 reference of the same
@@ -29,7 +34,8 @@ from dsquant.formats.gptq import pack_gptq_qweight
 from dsquant.formats.int_grid import quantize_int_groupwise
 from dsquant.runtime.kernels.gemm.w4a16_gemm import w4a16_linear
 from dsquant.runtime.kernels.gemm.w4a16_mma import _w4a16_mma_kernel, w4a16_mma
-from dsquant.runtime.kernels.gemm.w4a16_repack import codes_nk, repack_awq, slice_codes, w4a16_linear_reference
+from dsquant.runtime.kernels.gemm.w4a16_repack import (codes_nk, kernel_weights, repack_awq, slice_codes,
+                                                         w4a16_linear_reference)
 
 
 def varied_weight(n, k, group, gen):
@@ -50,6 +56,15 @@ def build(n, k, group, seed=0):
     codes = codes_nk(int4)  # [N, K]
     plain = replace(int4, qweight=pack_gptq_qweight(codes.t()).t().contiguous(), sliced=False)
     return plain, slice_codes(codes)  # the old kernels read the plain order
+
+
+def cold_copies(tensors, cold_mb: float) -> list:
+    """Enough copies of `tensors` (a tuple) that cycling through them in one timed call reads each
+    from HBM (cold_mb: their total size to exceed, e.g. 256 for a 50 MB L2); [tensors] when 0."""
+    if not cold_mb:
+        return [tensors]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(max(0, int(cold_mb * 2**20 // nbytes)))]
 
 
 def sass_counts(compiled) -> dict:
@@ -87,8 +102,6 @@ def decode_rows(args) -> None:
     """M = 1, 2 at each shape: the old plain-order GEMV, the k-sliced GEMV and the k-sliced MMA kernel
     (16-token tile, tuned config), graph medians, into OUT.json."""
     from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, w4a16_config
-    from dsquant.runtime.kernels.gemm.w4a16_repack import kernel_weights
-
     rows = []
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
@@ -151,6 +164,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--rep-ms", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--cold", type=float, default=0.0,
+                    help="MB of weight copies cycled per timed call (e.g. 256): weights read from HBM, as in the engine")
     ap.add_argument("--tile-n", type=int, default=0, help="weights in tile-major order, TILE_N rows a tile")
     ap.add_argument("--wide", action="store_true", help="sweep wider tiles and 8 warps (paired only)")
     ap.add_argument("--decode", action="store_true",
@@ -183,6 +198,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
         int4, qs = build(n, k, args.group)
+        sliced = kernel_weights(codes_nk(int4).t(), int4.zeros, int4.scales, args.group)  # the engine's form
         if args.tile_n:  # tile-major: [N / T, K / 128, T, 16] words
             qs = qs.view(n // args.tile_n, args.tile_n, k // 128, 16).permute(0, 2, 1, 3).contiguous()
         w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -191,8 +207,12 @@ def main() -> None:
                 break
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = w4a16_linear_reference(x.float(), int4).float()
-            bf16_us, _ = time_graph_and_eager(lambda: x @ w_bf16.t(), 5, args.rep_ms)
+            bf16s = cold_copies((w_bf16,), args.cold)
+            bf16_us = time_graph_and_eager(lambda: [x @ w.t() for (w,) in bf16s], 5, args.rep_ms)[0] / len(bf16s)
             cur_us, _ = time_graph_and_eager(lambda: w4a16_linear(x, int4), 5, args.rep_ms)
+            rules = cold_copies((sliced.qweight, sliced.scales, sliced.zeros), args.cold)
+            rule_fn = lambda: [w4a16_linear(x, replace(sliced, qweight=a, scales=b, zeros=c)) for a, b, c in rules]  # noqa
+            rule_us = time_graph_and_eager(rule_fn, 5, args.rep_ms)[0] / len(rules)
             best = None
             for cfg in configs(m, args.wide):
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -203,15 +223,19 @@ def main() -> None:
                     rows.append(dict(k=k, n=n, m=m, cfg=cfg, error=str(e)[:300]))
                     continue
                 rel = ((out.float() - ref).norm() / ref.norm()).item()
-                us, _ = time_graph_and_eager(fn, 3, args.rep_ms)
-                r = dict(k=k, n=n, m=m, cfg=cfg, us=us, rel=rel, bf16_us=bf16_us, cur_us=cur_us)
+                copies = cold_copies((qs, int4.scales, int4.zeros), args.cold)
+                timed = lambda: [w4a16_mma(x, a, b, c, args.group, out, tile_n=args.tile_n, **cfg)  # noqa: E731
+                                 for a, b, c in copies]
+                us = time_graph_and_eager(timed, 3, args.rep_ms)[0] / len(copies)
+                r = dict(k=k, n=n, m=m, cfg=cfg, us=us, rel=rel, bf16_us=bf16_us, cur_us=cur_us, rule_us=rule_us,
+                         cold_mb=args.cold)
                 rows.append(r)
                 if rel < 1e-2 and (best is None or us < best["us"]):
                     best = r
             if best:
-                print(f"{k}x{n} M={m}: bf16 {bf16_us:.1f} cur {cur_us:.1f} mma {best['us']:.1f} us "
-                      f"({bf16_us / best['us']:.2f}x bf16, {cur_us / best['us']:.2f}x cur) {best['cfg']}",
-                      flush=True)
+                print(f"{k}x{n} M={m}: bf16 {bf16_us:.1f} plain-order {cur_us:.1f} rule (sliced, the engine's) "
+                      f"{rule_us:.1f} best {best['us']:.1f} us ({bf16_us / best['us']:.2f}x bf16, "
+                      f"{rule_us / best['us']:.2f}x the rule) {best['cfg']}", flush=True)
     # compiled-code counts of the two dequantization forms (largest shape's kernel)
     for paired in (True, False):
         key = f"bn64_bm16_paired{paired}"
