@@ -32,6 +32,7 @@ engine's CPU kernel-path tests want). Weights and module names are the plain mod
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -114,10 +115,7 @@ class TritonMoE(MoE):
         shared = self.shared_experts(flat) if self.shared_experts is not None and not folded else None
         res = None if residual is None else residual.reshape(flat.shape)
         out = self.backend.experts(self, flat, ids, weights, shared_output=shared, residual=res, defer_sum=defer_sum)
-        if defer_sum:
-            out.shape = shape
-            return out
-        return out.view(shape)
+        return dataclasses.replace(out, shape=shape) if defer_sum else out.view(shape)
 
 
 class TritonRouter(Router):
@@ -213,4 +211,3 @@ class TritonMLAttention(MLAttention):
                    ctx.cos.view(b * t, half), ctx.sin.view(b * t, half),
                    layout="interleaved" if self.rope_interleave else "neox")
         return q_pe, k_pe
-

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dsquant.runtime.kernels import pdl
-from dsquant.runtime.kernels.ops.rmsnorm import norm_row, norm_warps
+from dsquant.runtime.kernels.ops.rmsnorm import norm_launch, norm_row
 
 
 @triton.jit
@@ -159,17 +159,15 @@ def moe_sum_rms_norm(inputs: MoESumInputs, norm_weight: torch.Tensor,
     t, p, h = pieces.shape
     if norm_weight.shape != (h,):
         raise ValueError(f"norm weight has shape {tuple(norm_weight.shape)}, expected [{h}]")
-    if h > 16384:
-        raise ValueError(f"moe_sum_rms_norm supports hidden sizes up to 16384, got {h}")
+    block, warps = norm_launch(h, "moe_sum_rms_norm")
     out = torch.empty(t, h, dtype=pieces.dtype, device=pieces.device)
     normed = torch.empty_like(out)
     if t:
-        block = triton.next_power_of_2(h)
         sh = shared if shared is not None else out  # never read when absent
         res = residual if residual is not None else out
         _moe_sum_rms_norm_kernel[(t,)](
             pieces, w, sh, res, out, norm_weight, normed, h, p - inputs.n_shared, eps,
             pieces.stride(0), pieces.stride(1), w.stride(0), sh.stride(0), res.stride(0), out.stride(0),
             normed.stride(0), N_SHARED=inputs.n_shared, HAS_SHARED=shared is not None,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=norm_warps(block), **pdl.launch(out.device))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=warps, **pdl.launch(out.device))
     return normed.view(inputs.shape), out.view(inputs.shape)

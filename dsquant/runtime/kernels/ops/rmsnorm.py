@@ -43,9 +43,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
     tl.store(out_ptr + row * stride_out + cols, norm_row(s, w_ptr, out_ptr, cols, mask, hidden, eps), mask=mask)
 
 
-def norm_warps(block: int) -> int:
-    """Warps of a one-row-per-program norm launch (the variance's summation order follows them)."""
-    return min(16, max(1, block // 256))
+def norm_launch(hidden: int, name: str) -> tuple[int, int]:
+    """(BLOCK, num_warps) of a one-row-per-program norm launch over rows of `hidden`; every kernel
+    that calls norm_row launches with these, so their variances sum in the same order."""
+    if hidden > 16384:
+        raise ValueError(f"{name} supports hidden sizes up to 16384, got {hidden}")
+    block = triton.next_power_of_2(hidden)
+    return block, min(16, max(1, block // 256))
 
 
 def _rows(t: torch.Tensor, name: str, hidden: int) -> torch.Tensor:
@@ -57,8 +61,7 @@ def _rows(t: torch.Tensor, name: str, hidden: int) -> torch.Tensor:
 
 def _launch(x, residual, weight, eps):
     hidden = weight.shape[0]
-    if hidden > 16384:
-        raise ValueError(f"rms_norm supports hidden sizes up to 16384, got {hidden}")
+    block, warps = norm_launch(hidden, "rms_norm")
     x2 = _rows(x, "x", hidden)  # [T, H]
     out = torch.empty_like(x2)
     res2 = _rows(residual, "residual", hidden) if residual is not None else x2
@@ -66,12 +69,10 @@ def _launch(x, residual, weight, eps):
         raise ValueError(f"residual has shape {tuple(residual.shape)}, expected {tuple(x.shape)}")
     res_out = torch.empty_like(x2) if residual is not None else out
     if x2.shape[0]:
-        block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out, hidden, eps,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-            **pdl.launch(x2.device))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=warps, **pdl.launch(x2.device))
     return out.view(x.shape), res_out.view(x.shape)
 
 
