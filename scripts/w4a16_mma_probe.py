@@ -202,15 +202,16 @@ def main() -> None:
         if args.tile_n:  # tile-major: [N / T, K / 128, T, 16] words
             qs = qs.view(n // args.tile_n, args.tile_n, k // 128, 16).permute(0, 2, 1, 3).contiguous()
         w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        bf16s = cold_copies((w_bf16,), args.cold)  # one set of copies per shape, shared by every M and config
+        rules = cold_copies((sliced.qweight, sliced.scales, sliced.zeros), args.cold)
+        copies = cold_copies((qs, int4.scales, int4.zeros), args.cold)
         for m in map(int, args.m.split(",")):
             if time.time() - t_start > args.budget_s:
                 break
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = w4a16_linear_reference(x.float(), int4).float()
-            bf16s = cold_copies((w_bf16,), args.cold)
             bf16_us = time_graph_and_eager(lambda: [x @ w.t() for (w,) in bf16s], 5, args.rep_ms)[0] / len(bf16s)
             cur_us, _ = time_graph_and_eager(lambda: w4a16_linear(x, int4), 5, args.rep_ms)
-            rules = cold_copies((sliced.qweight, sliced.scales, sliced.zeros), args.cold)
             rule_fn = lambda: [w4a16_linear(x, replace(sliced, qweight=a, scales=b, zeros=c)) for a, b, c in rules]  # noqa
             rule_us = time_graph_and_eager(rule_fn, 5, args.rep_ms)[0] / len(rules)
             best = None
@@ -223,7 +224,6 @@ def main() -> None:
                     rows.append(dict(k=k, n=n, m=m, cfg=cfg, error=str(e)[:300]))
                     continue
                 rel = ((out.float() - ref).norm() / ref.norm()).item()
-                copies = cold_copies((qs, int4.scales, int4.zeros), args.cold)
                 timed = lambda: [w4a16_mma(x, a, b, c, args.group, out, tile_n=args.tile_n, **cfg)  # noqa: E731
                                  for a, b, c in copies]
                 us = time_graph_and_eager(timed, 3, args.rep_ms)[0] / len(copies)
