@@ -35,10 +35,35 @@ class IncrementalDetokenizer:
         self.stalled: list[int] = []  # tokens stepped since the stream last returned text
         self.context: list[int] = []  # the last CONTEXT tokens whose text the stream returned
         self.token_ids: list[int] = []
-        self.text = ""
         self.stop = [s for s in (stop or []) if s]
         self.stopped_on: str | None = None
         self.sent = 0  # characters of text already returned by add / flush
+        # The text is kept as the pieces `add` appended and joined only when read (`text`,
+        # `text_upto`): a step's work does not grow with the length of the text so far.
+        self._pieces: list[str] = []
+        self._length = 0  # characters in _pieces
+        self.cut: int | None = None  # where the stop string begins: the text ends there
+        # a stop string can straddle the text's last _keep characters and a new delta; _window holds
+        # the last delta with the _keep characters before it, starting at character _w0 of the text
+        self._keep = max(map(len, self.stop)) - 1 if self.stop else 0
+        self._window, self._w0 = "", 0
+
+    @property
+    def length(self) -> int:
+        """Characters of the text (up to the stop string, once one appeared)."""
+        return self._length if self.cut is None else self.cut
+
+    @property
+    def text(self) -> str:
+        return self.text_upto(self.length)
+
+    def text_upto(self, n: int) -> str:
+        """The first n characters of the text as added (before any cut at a stop string): what
+        `text` was when `length` was n."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        whole = self._pieces[0] if self._pieces else ""
+        return whole if n >= len(whole) else whole[:n]
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly readable text (cut before a stop string if one appears).
@@ -52,21 +77,23 @@ class IncrementalDetokenizer:
         delta = "".join(self._step(t) for t in token_ids)
         if not delta:
             return ""
+        start = self._length
+        self._pieces.append(delta)
+        self._length += len(delta)
         if not self.stop:
-            self.text += delta
-            self.sent = len(self.text)
+            self.sent = self._length
             return delta
-        # a stop string may straddle the previous text and the delta
-        combined = self.text + delta
-        begin = max(0, len(self.text) - max(len(x) for x in self.stop) + 1)
-        hits = sorted((i, x) for x in self.stop if (i := combined.find(x, begin)) >= 0)
+        # the window covers every position a stop string touching the delta can start at
+        tail = self._window[-self._keep:] if self._keep else ""
+        self._window, self._w0 = tail + delta, start - len(tail)
+        hits = sorted((i, x) for x in self.stop if (i := self._window.find(x)) >= 0)
         if hits:
-            cut, self.stopped_on = hits[0]
-            self.text = combined[:cut]
+            i, self.stopped_on = hits[0]
+            self.cut = self._w0 + i
             return self.flush()
-        self.text = combined
-        end = len(self.text) - self._held()
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        end = self._length - self._held()
+        out = self._window[self.sent - self._w0:end - self._w0] if end > self.sent else ""
+        self.sent = max(self.sent, end)
         return out
 
     def _step(self, token: int) -> str:
@@ -90,16 +117,21 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _held(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        best = 0
+        """Length of the longest tail of the text that is a proper prefix of a stop string (the
+        window holds the text's last _keep characters, or all of it)."""
+        best, w = 0, self._window
         for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(self.text)), best, -1):
-                if self.text.endswith(stop[:k]):
+            for k in range(min(len(stop) - 1, len(w)), best, -1):
+                if w.endswith(stop[:k]):
                     best = k
                     break
         return best
 
     def flush(self) -> str:
-        """The text held back so far (the request has ended): everything not yet returned."""
-        out, self.sent = self.text[self.sent:], len(self.text)
+        """The text held back so far (the request has ended): everything not yet returned. It lies
+        in the window: what add held back is shorter than a stop string."""
+        end = self.length
+        if end <= self.sent:
+            return ""
+        out, self.sent = self._window[self.sent - self._w0:end - self._w0], end
         return out

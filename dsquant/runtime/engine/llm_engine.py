@@ -36,20 +36,66 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
+    """One request's progress after a step. new_token_ids and delta_text are this step's;
+    token_ids, text and logprobs are cumulative and built when first read (`_Cumulative`), so a
+    step's host work does not grow with the length of every output (copying them at each step
+    made a 64-sequence step at 4000 output tokens cost 4x the step at 100)."""
+
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # every completion token so far
     new_token_ids: list[int]
-    text: str = ""
     delta_text: str = ""
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
-    # when SamplingParams asked: per completion token / per prompt token (None for the first),
-    # (logprob, {token id: logprob} of the top N)
-    logprobs: list | None = None
+    # when SamplingParams asked: per prompt token (None for the first), (logprob, {token id: logprob} of the top N)
     prompt_logprobs: list | None = None
+    cumulative: "_Cumulative | None" = field(default=None, repr=False, compare=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every completion token so far."""
+        return self.cumulative.token_ids() if self.cumulative is not None else list(self.new_token_ids)
+
+    @property
+    def text(self) -> str:
+        return self.cumulative.text() if self.cumulative is not None else self.delta_text
+
+    @property
+    def logprobs(self) -> list | None:
+        """When SamplingParams asked: per completion token, (logprob, {token id: logprob} of the top N)."""
+        return self.cumulative.logprobs() if self.cumulative is not None else None
+
+
+class _Cumulative:
+    """A RequestOutput's cumulative fields as they were at its step: the sequence's completion
+    tokens [num_prompt, end), the first text_len characters of its text (the whole text, cut at a
+    stop string, for the last output) and its first lp_len logprobs; each built once, when read. The sources only grow past these bounds afterwards, so a late read gives what an
+    eager copy would have."""
+
+    __slots__ = ("seq", "end", "detok", "text_len", "lp_len", "_token_ids", "_text")
+
+    def __init__(self, seq: Sequence, end: int, detok: IncrementalDetokenizer | None, text_len: int | None):
+        self.seq, self.end, self.detok, self.text_len = seq, end, detok, text_len
+        self.lp_len = None if seq.logprobs is None else len(seq.logprobs)
+        self._token_ids: list[int] | None = None
+        self._text: str | None = None
+
+    def token_ids(self) -> list[int]:
+        if self._token_ids is None:
+            self._token_ids = self.seq.token_ids[self.seq.num_prompt_tokens:self.end]
+        return self._token_ids
+
+    def text(self) -> str:
+        if self._text is None:
+            d = self.detok
+            self._text = "" if d is None else d.text if self.text_len is None else d.text_upto(self.text_len)
+        return self._text
+
+    def logprobs(self) -> list | None:
+        lp = self.seq.logprobs
+        return None if lp is None else lp[:self.lp_len]
 
 
 class LLMEngine:
@@ -254,13 +300,13 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 del self.requests[seq.request_id]
             outputs.append(RequestOutput(
-                request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-                token_ids=seq.token_ids[seq.num_prompt_tokens:index + 1], new_token_ids=[token],
-                text=detok.text if detok is not None else "", delta_text=delta, finished=reason is not None,
-                finish_reason=reason, num_cached_tokens=seq.num_cached_tokens,
+                request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, new_token_ids=[token],
+                delta_text=delta, finished=reason is not None, finish_reason=reason,
+                num_cached_tokens=seq.num_cached_tokens,
                 metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time},
-                logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                prompt_logprobs=seq.prompt_logprobs))
+                prompt_logprobs=seq.prompt_logprobs,
+                cumulative=_Cumulative(seq, index + 1, detok,
+                                       None if reason is not None or detok is None else detok.length)))
         return outputs
 
     def stats(self) -> dict:

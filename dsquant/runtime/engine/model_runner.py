@@ -17,6 +17,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dsquant.models.layers import PagedAttentionBackend
@@ -176,12 +177,12 @@ class ModelRunner:
                 if seq.token_ids[-1] < 0:  # only a sampling row's last input can be a placeholder
                     fill_rows.append(len(input_ids) - 1)
                     fill_src.append(-1 - seq.token_ids[-1])
-        width = max(len(s.block_table) for s in batch.seqs)
-        table = []
-        for s in batch.seqs:
-            table += s.block_table
-            if len(s.block_table) < width:
-                table += [0] * (width - len(s.block_table))
+        arrays = [s.block_table_array() for s in batch.seqs]
+        width = max(a.shape[0] for a in arrays)
+        table = np.zeros((len(arrays), width), dtype=np.int32)  # [n, width], rows padded with block 0
+        for row, a in zip(table, arrays):
+            row[:a.shape[0]] = a
+        table = table.reshape(-1)
         vocab = self.cfg.vocab_size
         i64, i32 = torch.int64, torch.int32
         extra = SamplingTensors.host_fields(sampling, vocab)

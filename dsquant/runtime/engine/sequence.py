@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dsquant.errors import DsquantError
@@ -89,7 +90,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, found by prefix caching at admission
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # grows by append; free_seq replaces it (block_table_array relies on both)
+        self._table_list: list[int] | None = None  # the list _table_array mirrors the first _table_len entries of
+        self._table_array = np.zeros(0, dtype=np.int32)
+        self._table_len = 0
         self.block_hashes: list[int] = []  # hash of each full block registered so far
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time
@@ -130,6 +134,23 @@ class Sequence:
 
     def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
         return -(-num_tokens // block_size)
+
+    def block_table_array(self) -> np.ndarray:
+        """block_table as int32 [len] (a view of a buffer reused across steps), converted
+        incrementally: only the blocks appended since the last call, so staging a step's block
+        tables costs the same at any context length."""
+        table, n = self.block_table, self._table_len
+        if table is not self._table_list:  # free_seq gave the sequence a new (empty) list
+            self._table_list, n = table, 0
+        m = len(table)
+        if m > n:
+            if self._table_array.shape[0] < m:
+                grown = np.zeros(max(m, 2 * self._table_array.shape[0], 16), dtype=np.int32)
+                grown[:n] = self._table_array[:n]
+                self._table_array = grown
+            self._table_array[n:m] = table[n:m]
+        self._table_len = m
+        return self._table_array[:m]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
