@@ -1,6 +1,7 @@
 """Host time per engine decode step, with the model forward replaced by a stub (CPU).
 
 PYTHONPATH=. python scripts/host_overhead.py [--batch 1 8] [--steps 200] [--vocab 102400]
+PYTHONPATH=. python scripts/host_overhead.py --batch 64 --long 4000 [--stop zzzq]
 
 Builds the engine on a V2-Lite-shaped config shrunk to one tiny layer (vocab kept), then swaps
 ModelRunner.forward for a stub that returns fixed random bf16 logits, so a step's time is the
@@ -10,6 +11,11 @@ where on a GPU it would be device work; `--vocab 256` shrinks it out of the way.
 and p90 of engine.step() per decode step, greedy and temperature 1, per batch size, and per step
 the aten ops dispatched and the torch.tensor(...) calls made (on a GPU each op is a launch or a
 copy, and each torch.tensor(..., device=cuda) a synchronizing host -> device copy).
+
+--long N: each batch decodes N tokens greedily, detokenized with the bundled tokenizer (vocab 8192;
+each row's logits depend on its input token, so the text varies), with the stop strings of --stop
+(which never match: their checks still run); prints the step median around output tokens 100, N/4,
+N/2 and N - 50, so host work that grows with the output length shows.
 """
 import argparse
 import statistics
@@ -83,6 +89,37 @@ def time_decode(engine, batch: int, steps: int, params: SamplingParams, prompt_l
     return times[5:steps], counts  # skip warm-up; the tail as requests finish together is kept short
 
 
+def time_long(batch: int, total: int, stop: list[str]) -> list[tuple[int, float]]:
+    """(output position, median step us) of `batch` greedy requests decoding `total` tokens."""
+    from dsquant.assets import tokenizer_path
+
+    vocab = 8192
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_config_dir(Path(tmp) / "m", V2_LITE, "bf16", **TINY, vocab_size=vocab)
+        engine = LLMEngine(path, EngineConfig(device="cpu", kernels=False, verify_checksums=False,
+                                              max_model_len=total + 200, num_blocks=batch * ((total + 200) // 16 + 2),
+                                              max_num_batched_tokens=1 << 17, max_num_seqs=256,
+                                              tokenizer=str(tokenizer_path())),
+                           reader=RandomCheckpointReader(path))
+        table = torch.randn(256, vocab, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+        def forward(input_ids, positions, ctx, rows):
+            return table[input_ids[rows] % 256]  # [S, V]: the next token depends on the last
+
+        engine.runner.forward = forward
+        g = torch.Generator().manual_seed(batch)
+        params = SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True, stop=stop or None)
+        for _ in range(batch):
+            engine.add_request(torch.randint(0, vocab, (100,), generator=g).tolist(), params)
+        times = []
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+    marks = [m for m in (100, total // 4, total // 2, total - 50) if 20 <= m <= len(times) - 20]
+    return [(m, statistics.median(times[m - 20:m + 20]) * 1e6) for m in marks]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -90,8 +127,15 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=V2_LITE["vocab_size"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=100)
+    ap.add_argument("--long", type=int, default=0, help="decode this many tokens per request (see above)")
+    ap.add_argument("--stop", nargs="*", default=[], help="stop strings for --long")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.long:
+        for batch in args.batch:
+            rows = time_long(batch, args.long, args.stop)
+            print(f"batch {batch:3d} stop {args.stop}: " + "  ".join(f"@{m}: {us:.0f} us" for m, us in rows))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         path = make_config_dir(Path(tmp) / "m", V2_LITE, "bf16", **TINY, vocab_size=args.vocab)
         engine = LLMEngine(path, EngineConfig(device="cpu", kernels=False, verify_checksums=False,
