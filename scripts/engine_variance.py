@@ -8,7 +8,8 @@ engine's own step timing (LLMEngine.time_steps(StepTimes()), runtime/engine/step
 batch-1 step (one sampled row) the wall time of engine.step(), the host CPU time of the process over
 it, the GPU time of its forward + sampling (CUDA events). On top of that this script splits each
 step's wall time into scheduling, launch (prepare + graph replay enqueue) and post-processing (the
-wait for the sampled tokens included), and notes the CPU the main thread ran each launch on; and
+wait for the sampled tokens included), the launch again into prepare, replay, sample and readback
+(the enqueue calls), and notes the CPU the main thread ran each launch on; and
 per instance, context switches. So a slow instance shows whether it was host work (CPU time up),
 waiting (CPU time flat, wall up) or the GPU.
 """
@@ -29,6 +30,9 @@ from dsquant.validate import latency as vlat
 
 TIMES = StepTimes()  # the engine's step records of the instance being measured
 PARTS = ("schedule", "launch", "finish")
+# the launch's own parts: input preparation (with its host -> device copy and the block-table and
+# placeholder device copies), the graph replay call, sampling's enqueue, the token read-back's enqueue
+LAUNCH_PARTS = ("prepare", "replay", "sample", "readback")
 SPLIT: list[tuple] = []  # (StepRecord, {part: seconds, "cpu": CPU id}) per step() call, in order
 
 
@@ -42,7 +46,7 @@ def _part(name, fn):
             rec = TIMES.current
             if rec is not None:
                 if not SPLIT or SPLIT[-1][0] is not rec:
-                    SPLIT.append((rec, dict.fromkeys(PARTS, 0.0)))
+                    SPLIT.append((rec, dict.fromkeys(PARTS + LAUNCH_PARTS, 0.0)))
                 parts = SPLIT[-1][1]
                 parts[name] += time.perf_counter() - t
                 if name == "launch":
@@ -63,6 +67,12 @@ def patch() -> None:
     llm_engine.launch_step = _part("launch", llm_engine.launch_step)
     llm_engine.LLMEngine._finish_step = _part("finish", llm_engine.LLMEngine._finish_step)
     llm_engine.Scheduler.schedule = _part("schedule", llm_engine.Scheduler.schedule)
+    from dsquant.runtime.engine import async_step, cuda_graph, model_runner
+
+    model_runner.ModelRunner.prepare = _part("prepare", model_runner.ModelRunner.prepare)
+    cuda_graph.DecodeGraphs.replay = _part("replay", cuda_graph.DecodeGraphs.replay)
+    model_runner.sample = _part("sample", model_runner.sample)
+    async_step.TokenReadback.start = _part("readback", async_step.TokenReadback.start)
 
 
 def med_us(xs) -> float | None:
@@ -91,7 +101,7 @@ def one_instance(path: str, spec, device: str) -> dict:
            "step_us_median": med_us([r.wall_s for r in b1]),
            "step_cpu_us_median": med_us([r.cpu_s for r in b1]),
            "host_us_median": med_us([r.wall_s - r.wait_s for r in b1])}  # wall minus the wait for tokens
-    for k in PARTS:
+    for k in PARTS + LAUNCH_PARTS:
         out[f"{k}_us_median"] = med_us([p[k] for p in parts if k in p])
     out["cpus_used"] = sorted({p["cpu"] for p in parts if "cpu" in p})[:16]
     return out
