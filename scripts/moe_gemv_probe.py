@@ -1,6 +1,6 @@
 """H200 probe of what limits the INT4 per-pair MoE GEMV (moe_gemv.py) at decode, V2-Lite layer.
 
-    python scripts/moe_gemv_probe.py OUT.json [--tokens 1,2] [--layers 8]
+    python scripts/moe_gemv_probe.py OUT.json [--tokens 1,2] [--layers 8] [--kernels gemv,pair]
 
 For each token count and GEMV config (block_n, warps, split_k), each projection (gate/up, down) timed
 as CUDA-graph replays over `--layers` weight copies (read from HBM, not L2), in two forms:
@@ -11,6 +11,8 @@ and the bytes of the experts the pairs read (codes + scales + zeros) over each t
 TB/s roofline. full - loads_only is what the dequantization and dot cost; loads_only against the
 roofline is what the launch shape and load pattern cost. full_two_lop3: the full kernel with the
 nibble's AND and OR as plain Triton ops (two LOP3s a code) instead of one inline lop3.
+--kernels pair (or gemv,pair) adds the tensor-core form with split-K (moe_pair_mma.py) over
+PAIR_CONFIGS, form "full" only, and --gemv-default keeps only the GEMV config fused_moe runs.
 """
 from __future__ import annotations
 
@@ -28,7 +30,11 @@ from dsquant.bench.common import environment
 from dsquant.bench.moe import E, H, I, N_SHARED, ROOFLINE_GBS, TOP_K, _random_dense, _routing, build_layer
 from dsquant.runtime.kernels.moe.int4_dequant import dequantize_int4_grouped
 from dsquant.runtime.kernels.moe.moe_gemv import default_split_k, effective_split, moe_gemv_int4
+from dsquant.runtime.kernels.moe.moe_pair_mma import moe_pair_mma_int4
 
+# (block_n, num_warps, split_k or None for the rule) of the pair MMA
+PAIR_CONFIGS = [(32, 1, None), (32, 2, None), (32, 2, 4), (64, 2, None), (64, 2, 2), (64, 2, 4), (64, 2, 8),
+                (64, 4, None), (64, 4, 4), (64, 4, 8), (128, 4, None), (128, 4, 4), (128, 4, 8), (128, 4, 16)]
 CONFIGS = [(8, 1, 1), (8, 1, None), (16, 1, None), (16, 1, 1), (16, 1, 4), (32, 1, None), (32, 2, None), (64, 4, None)]
 
 
@@ -37,11 +43,22 @@ def projection_bytes(g, experts) -> int:
     return sum(t[0].numel() * t.element_size() * len(experts) for t in (g.weight, g.scales, g.zeros))
 
 
+def _rel_err(kernel, a, g, ids, out, tw, dense, gated, pairs, n_out, block_n, warps, split, dev) -> float:
+    """||kernel - float32 product of the dequantized experts|| / ||that product|| on one layer."""
+    kernel(a, g, ids, out, TOP_K + N_SHARED if gated else 1, gated, None if gated else tw, block_n, warps, split)
+    rows_a = a.float()[torch.arange(pairs, device=dev) // (TOP_K + N_SHARED)] if gated else a.float()
+    y = torch.einsum("pk,pnk->pn", rows_a, dense[ids.reshape(-1)])  # [P, N]
+    ref = (torch.nn.functional.silu(y[:, :n_out]) * y[:, n_out:]) if gated else y * tw.reshape(-1, 1).float()
+    return float((out.float() - ref).norm() / ref.norm())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--tokens", default="1,2")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kernels", default="gemv", help="gemv, pair or gemv,pair")
+    ap.add_argument("--gemv-default", action="store_true", help="only the GEMV config fused_moe runs (16, 1, rule)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script under TRITON_INTERPRET")
     args = ap.parse_args()
     dev, gen = args.device, torch.Generator(device=args.device).manual_seed(0)
@@ -62,18 +79,29 @@ def main() -> None:
             # correctness of the full form on the first layer (float32 product of the dequantized experts)
             a, g, ids, out, tw = calls[0]
             dense = dequantize_int4_grouped(g, torch.float32).weight  # [E, N, K]
-            for block_n, warps, split in CONFIGS:
-                r = dict(tokens=t, projection="gate_up" if gated else "down", block_n=block_n, warps=warps,
+            kinds = args.kernels.split(",")
+            gemv_configs = [(16, 1, None)] if args.gemv_default else CONFIGS
+            for block_n, warps, split in (PAIR_CONFIGS if "pair" in kinds else []):
+                r = dict(kernel="pair_mma", tokens=t, projection="gate_up" if gated else "down", block_n=block_n,
+                         warps=warps, split_k=effective_split(split, k // 128) if split else
+                         default_split_k(pairs, n_out, k, block_n), bytes=nbytes)
+                r["rel_err"] = _rel_err(moe_pair_mma_int4, a, g, ids, out, tw, dense, gated, pairs, n_out, block_n,
+                                        warps, split, dev)
+
+                def run_pair():
+                    for a_, g_, ids_, out_, tw_ in calls:
+                        moe_pair_mma_int4(a_, g_, ids_, out_, TOP_K + N_SHARED if gated else 1, gated,
+                                          None if gated else tw_, block_n, warps, split)
+                us = tt.do_bench_cudagraph(run_pair, rep=50, return_mode="median") * 1e3 / len(calls)
+                r["full_us"], r["full_roofline"] = us, nbytes / us / 1e3 / ROOFLINE_GBS
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            for block_n, warps, split in (gemv_configs if "gemv" in kinds else []):
+                r = dict(kernel="gemv", tokens=t, projection="gate_up" if gated else "down", block_n=block_n, warps=warps,
                          split_k=effective_split(split, k // 128) if split else default_split_k(pairs, n_out, k, block_n),
                          bytes=nbytes)
-                moe_gemv_int4(a, g, ids, out, TOP_K + N_SHARED if gated else 1, gated,
-                              None if gated else tw, block_n, warps, split)
-                ids_flat = ids.reshape(-1)
-                rows_a = a.float()[torch.arange(pairs, device=dev) // (TOP_K + N_SHARED)] if gated else a.float()
-                y = torch.einsum("pk,pnk->pn", rows_a, dense[ids_flat])  # [P, N]
-                ref = (torch.nn.functional.silu(y[:, :n_out]) * y[:, n_out:]) if gated else \
-                    y * tw.reshape(-1, 1).float()
-                r["rel_err"] = float((out.float() - ref).norm() / ref.norm())
+                r["rel_err"] = _rel_err(moe_gemv_int4, a, g, ids, out, tw, dense, gated, pairs, n_out, block_n,
+                                        warps, split, dev)
                 for form, loads_only, asm in (("full", False, None), ("loads_only", True, None),
                                               ("full_two_lop3", False, False)):
                     def run(loads_only=loads_only, asm=asm):

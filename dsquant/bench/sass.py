@@ -7,6 +7,7 @@ loads are not vectorized and the SASS is not the one the GPU runs. Used by scrip
 (instruction counts of the hot loops) and by tests/kernels/test_pdl.py (where the PDL wait sits).
 
 Presets: moe_gemv (moe_gemv._moe_gemv_kernel, gated, G 128), moe_gemv_down (routed, not gated),
+moe_pair_mma, moe_pair_mma_down (moe_pair_mma._moe_pair_mma_kernel, likewise, BLOCK_N 64, 4 warps),
 w4a16_gemv_sliced, w4a16_gemv_kblock, fp8_gemv (A_MODE 0), fp8_gemv_kblock, rms_norm, router_logits,
 mla_prepare, mla_merge_uv.
 """
@@ -53,6 +54,16 @@ def preset(name: str) -> Preset:
                   EARLY_IDS=False)
         return Preset(mod._moe_gemv_kernel, args, ce, ["N", "K", "stride_am", "stride_we", "stride_wc", "stride_se",
                                                        "stride_s1", "stride_om"], ["stride_s2"], 1)
+    if name in ("moe_pair_mma", "moe_pair_mma_down"):
+        from dsquant.runtime.kernels.moe import moe_pair_mma as mod
+        args = _typed("a_ptr w_ptr s_ptr z_ptr out_ptr part_ptr counters_ptr topk_w_ptr ids_ptr",
+                      "*bf16 *i32 *bf16 *u8 *bf16 *fp32 *i32 *fp32 *i32")
+        args += _ints("N K a_row_div stride_am stride_we stride_wc stride_se stride_s1 stride_s2 stride_om split_k")
+        gated = name == "moe_pair_mma"
+        ce = dict(GROUP=128, GATED=gated, ROUTED=not gated, MAGIC=0x4300, PAIRED=True, BLOCK_N=64, BLOCK_M=16,
+                  PDL=False)
+        return Preset(mod._moe_pair_mma_kernel, args, ce, ["N", "K", "stride_am", "stride_we", "stride_wc",
+                                                           "stride_se", "stride_s1", "stride_om"], ["stride_s2"], 4)
     if name in ("w4a16_gemv_sliced", "w4a16_gemv_kblock"):
         from dsquant.runtime.kernels.gemm import w4a16_gemv, w4a16_gemv_kblock
         args = _typed("x_ptr qw_ptr s_ptr z_ptr perm_ptr out_ptr part_ptr counters_ptr",

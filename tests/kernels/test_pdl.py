@@ -27,6 +27,8 @@ CASES = [
     ("fp8_gemv_kblock", {"FUSE_QUANT": True}, True),
     ("moe_gemv", {"EARLY_IDS": False}, False),  # gate/up: its ids come from the launch right before
     ("moe_gemv_down", {"EARLY_IDS": True}, True),
+    ("moe_pair_mma", {}, False),
+    ("moe_pair_mma_down", {}, False),
     ("router_logits", {}, True),
     ("mla_prepare", {}, True),
     ("mla_merge_uv", {}, True),

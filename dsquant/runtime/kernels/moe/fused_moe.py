@@ -39,6 +39,7 @@ from dsquant.runtime.kernels.moe.int4_dequant import dequantize_int4_grouped
 from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size, one_block_per_pair
 from dsquant.runtime.kernels.moe.moe_gemm import GemmConfig, GroupedWeight, moe_gemm
 from dsquant.runtime.kernels.moe.moe_gemv import MOE_GEMV_MAX_PAIRS, moe_gemv_int4, reserve_gemv_counters
+from dsquant.runtime.kernels.moe.moe_pair_mma import moe_pair_mma_int4
 from dsquant.runtime.kernels.moe.moe_sum import MoESumInputs, moe_sum
 
 # INT4 experts with at least this many (token, expert) pairs per expert (a prefill chunk) are
@@ -205,6 +206,13 @@ def _dequantize_first(weights: MoeWeights, pairs: int, elem_bytes: int) -> bool:
     return pairs >= DEQUANT_MIN_PAIRS_PER_EXPERT * e and dense <= DEQUANT_MAX_BYTES
 
 
+# The INT4 decode pairs on the tensor cores with split-K (moe_pair_mma.py) instead of the per-pair
+# GEMVs: (block_n, num_warps, split_k or None for the GEMV's rule) for gate/up and for down. Off until
+# timed against the GEMV (scripts/moe_gemv_probe.py --pair-mma, then the engine).
+MOE_PAIR_MMA = os.environ.get("DSQUANT_MOE_PAIR_MMA", "0") == "1"
+PAIR_MMA_CONFIGS = ((64, 4, None), (64, 4, None))
+
+
 def _expert_gemvs(hidden, weights: MoeWeights, ids, act, out) -> None:
     """Decode-sized INT4 batches: per-pair GEMVs, no alignment. act [T*P, I] and out [T*P, H] are
     written. bench moe --sweep int4 on the H200 (2026-11-29): block_n 16 with 1 warp and
@@ -212,6 +220,13 @@ def _expert_gemvs(hidden, weights: MoeWeights, ids, act, out) -> None:
     grouped GEMMs: its per-pair GEMV (moe_gemv_fp8) measured 32.5 | 17.6 us at T = 1 against the
     grouped kernel's 15.4 | 9.6 plus a 5.2 us align."""
     top_k = ids.shape[1]
+    if MOE_PAIR_MMA:
+        (bn13, w13, s13), (bn2, w2, s2) = PAIR_MMA_CONFIGS
+        moe_pair_mma_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=bn13,
+                          num_warps=w13, split_k=s13)
+        moe_pair_mma_int4(act, weights.w2, ids, out, a_row_div=1, gated=False, block_n=bn2, num_warps=w2,
+                          split_k=s2)
+        return
     moe_gemv_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=16, num_warps=1)
     # right after the gate/up launch: the ids are two launches old, so the down GEMV may read them
     # and its first weight tiles before its PDL wait

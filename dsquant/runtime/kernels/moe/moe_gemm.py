@@ -109,7 +109,7 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
     DTYPE = a_ptr.dtype.element_ty  # int4 tiles are dequantised to the activation dtype
     if W_FORMAT == 1:  # transposed accumulators [BN, BM], see moe_int4_loop
         acc, acc_up = int4_mainloop(a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert, offs_n,
-                                    n_mask, N, K, stride_we, stride_wn, stride_se, stride_s1, stride_s2,
+                                    n_mask, N, 0, K // 128, stride_we, stride_wn, stride_se, stride_s1, stride_s2,
                                     GATED, GROUP, MAGIC, PAIRED, DTYPE, BLOCK_N, BLOCK_M)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

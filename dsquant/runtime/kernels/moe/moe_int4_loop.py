@@ -36,27 +36,27 @@ def _int4_tile(w_ptr, expert, rows, n_mask, k0, stride_we, stride_wc):
 
 
 @triton.jit
-def int4_mainloop(a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, N, K,
+def int4_mainloop(a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask, N, c_lo, c_hi,
                   stride_we, stride_wc, stride_se, stride_s1, stride_s2,
                   GATED: tl.constexpr, GROUP: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr,
                   DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """acc_t, acc_up_t [BN, BM] (fp32, transposed: W a^T) over all K of expert `expert`; acc_up_t is
-    the up projection's (rows N + offs_n) when GATED, else zeros."""
+    """acc_t, acc_up_t [BN, BM] (fp32, transposed: W a^T) over the 128-channel chunks [c_lo, c_hi) of
+    expert `expert` (c_lo < c_hi); acc_up_t is the up projection's (rows N + offs_n) when GATED, else
+    zeros."""
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     zs = z_ptr + expert * stride_se  # this expert's zeros and scales (same strides)
     ss = s_ptr + expert * stride_se
     rows = offs_n * stride_s2  # [BN]
     rows_up = (offs_n + N) * stride_s2
-    chunks = K // 128
-    zz0, zz1, s0, s1, s2, s3 = chunk_params(zs, ss, 0, stride_s1, stride_s1, rows, n_mask, GROUP, MAGIC)
+    zz0, zz1, s0, s1, s2, s3 = chunk_params(zs, ss, c_lo, stride_s1, stride_s1, rows, n_mask, GROUP, MAGIC)
     uz0, uz1, u0, u1, u2, u3 = zz0, zz1, s0, s1, s2, s3
     if GATED:
-        uz0, uz1, u0, u1, u2, u3 = chunk_params(zs, ss, 0, stride_s1, stride_s1, rows_up, n_mask, GROUP, MAGIC)
-    for c in range(0, chunks):
+        uz0, uz1, u0, u1, u2, u3 = chunk_params(zs, ss, c_lo, stride_s1, stride_s1, rows_up, n_mask, GROUP, MAGIC)
+    for c in range(c_lo, c_hi):
         k0 = c * 128
         packed = int4_words(w_ptr, expert, offs_n, n_mask, c, stride_we, stride_wc)  # [BN, 16]
-        cn = tl.minimum(c + 1, chunks - 1)
+        cn = tl.minimum(c + 1, c_hi - 1)
         nz0, nz1, t0, t1, t2, t3 = chunk_params(zs, ss, cn, stride_s1, stride_s1, rows, n_mask, GROUP, MAGIC)
         a_lo_0 = _x_slice(a_ptr, a_ptr, a_row, row_mask, stride_am, k0, False)  # [16, BM] a^T planes
         a_hi_0 = _x_slice(a_ptr, a_ptr, a_row, row_mask, stride_am, k0 + 64, False)
