@@ -18,6 +18,8 @@ Block sizes are picked by a heuristic from the pairs per expert (never tuned at 
 INT4 experts with at most MOE_GEMV_MAX_PAIRS (token, expert) pairs (decode) skip the alignment and
 run moe_gemv's per-pair GEMVs (split-K by moe_gemv.default_split_k, counters reserved here at load)
 instead of the grouped MMA GEMMs. FP8 experts always take the grouped GEMMs (see _expert_gemvs).
+With MOE_PAIR_MMA (DSQUANT_MOE_PAIR_MMA=1, experimental) those pairs run on the tensor cores with
+split-K instead (moe_pair_mma.py), at PAIR_MMA_CONFIGS.
 Up to ONE_BLOCK_PER_PAIR_MAX_TOKENS tokens on the grouped GEMMs run one block per pair, without the
 align launch (moe_align.one_block_per_pair); up to FP8_FUSE_QUANT_MAX_TOKENS, fp8 experts quantize
 the activations inside the GEMMs (off: it lost on the GPU, see below).
