@@ -10,7 +10,9 @@
 #               tests/runtime without -m gpu, at full size), trained (the trained-model GPU accuracy test)
 #   main job:   demo (dsquant demo --device cuda, then a CPU validate of the same artifacts)
 #   kernels:    gemm, mmaprobe (scripts/w4a16_mma_probe.py), gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe,
-#               moegemv (scripts/moe_gemv_probe.py: the INT4 MoE GEMV with and without its dequantization),
+#               moegemv (scripts/moe_gemv_probe.py: the INT4 MoE GEMV with and without its dequantization;
+#               MOEGEMV_ARGS="--kernels gemv,pair --gemv-default": against the split-K pair MMA),
+#               moepf8 (scripts/moe_pair_fp8_probe.py: FP8 decode pairs, grouped GEMM against the pair MMA),
 #               moeq (scripts/moe_decode_probe.py: MoE decode with and without align / in-GEMM fp8 quant),
 #               routeq (scripts/router_route_probe.py: router logits + routing in one launch against two),
 #               alignq (scripts/moe_align_probe.py: moe_align's one-hot, sort and torch methods),
@@ -100,6 +102,8 @@ for step in "$@"; do
     gemv) timeout "${GEMV_S:-240}" python3 scripts/gemv_sweep.py "$OUT/gemv_sweep.json" ${GEMV_ARGS:-} > "$OUT/gemv.txt" 2>&1 ;;
     moegemv) timeout "${MOEGEMV_S:-150}" python3 scripts/moe_gemv_probe.py "$OUT/moe_gemv_probe.json" ${MOEGEMV_ARGS:-} \
             > "$OUT/moe_gemv_probe.txt" 2>&1 ;;
+    moepf8) timeout "${MOEPF8_S:-200}" python3 scripts/moe_pair_fp8_probe.py "$OUT/moe_pair_fp8.json" ${MOEPF8_ARGS:-} \
+            > "$OUT/moe_pair_fp8.txt" 2>&1 ;;  # FP8 decode pairs: grouped GEMM against the split-K pair MMA
     fp8dec) timeout "${FP8DEC_S:-200}" python3 scripts/fp8_decode_probe.py "$OUT/fp8dec.json" ${FP8DEC_ARGS:-} \
         > "$OUT/fp8dec.txt" 2>&1 ;;
     alignq) timeout "${ALIGNQ_S:-150}" python3 scripts/moe_align_probe.py "$OUT/alignq.json" ${ALIGNQ_ARGS:-} \
@@ -198,7 +202,7 @@ main()" > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/gpukernels.txt "$OUT"/gpurest.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
-for f in mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe routeq alignq engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill tpbench tpv2; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+for f in moe_gemv_probe moe_pair_fp8 mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe routeq alignq engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill tpbench tpv2; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
 # what comes back is limited in files: everything in one archive (steps.txt beside it)

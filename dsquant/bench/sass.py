@@ -8,6 +8,7 @@ loads are not vectorized and the SASS is not the one the GPU runs. Used by scrip
 
 Presets: moe_gemv (moe_gemv._moe_gemv_kernel, gated, G 128), moe_gemv_down (routed, not gated),
 moe_pair_mma, moe_pair_mma_down (moe_pair_mma._moe_pair_mma_kernel, likewise, BLOCK_N 64, 4 warps),
+moe_pair_fp8 (moe_pair_mma._moe_pair_fp8_kernel, gated),
 w4a16_gemv_sliced, w4a16_gemv_kblock, fp8_gemv (A_MODE 0), fp8_gemv_kblock, rms_norm, router_logits,
 mla_prepare, mla_merge_uv.
 """
@@ -64,6 +65,15 @@ def preset(name: str) -> Preset:
                   PDL=False)
         return Preset(mod._moe_pair_mma_kernel, args, ce, ["N", "K", "stride_am", "stride_we", "stride_wc",
                                                            "stride_se", "stride_s1", "stride_om"], ["stride_s2"], 4)
+    if name == "moe_pair_fp8":
+        from dsquant.runtime.kernels.moe import moe_pair_mma as mod
+        args = _typed("a_ptr as_ptr w_ptr s_ptr out_ptr part_ptr counters_ptr topk_w_ptr ids_ptr",
+                      "*fp8e4nv *fp32 *fp8e4nv *fp32 *bf16 *fp32 *i32 *fp32 *i32")
+        args += _ints("N K a_row_div stride_am stride_asm stride_we stride_wn stride_se stride_s1 stride_s2 "
+                      "stride_om split_k")
+        ce = dict(GATED=True, ROUTED=False, FP8_UPCAST=False, BLOCK_N=64, BLOCK_M=16, PDL=False)
+        return Preset(mod._moe_pair_fp8_kernel, args, ce, ["N", "K", "stride_am", "stride_we", "stride_wn",
+                                                           "stride_se", "stride_om"], ["stride_s2"], 4)
     if name in ("w4a16_gemv_sliced", "w4a16_gemv_kblock"):
         from dsquant.runtime.kernels.gemm import w4a16_gemv, w4a16_gemv_kblock
         args = _typed("x_ptr qw_ptr s_ptr z_ptr perm_ptr out_ptr part_ptr counters_ptr",

@@ -1,15 +1,17 @@
 """INT4 experts at decode on the tensor cores with split-K (moe_pair_mma.py) against the float64 pair
-reference, as the per-pair GEMV is tested (test_moe_gemv.py): realistic weights (group scales over three
+reference, as the per-pair GEMVs are tested (test_moe_gemv.py, test_moe_gemv_fp8.py): realistic weights (group scales over three
 orders of magnitude, outlier channels, zero rows and a zero tile), outputs poisoned with NaN, every split
 factor including uneven ones, counters left zero so a repeated launch gives the same bits, a pair on
-another rank (negative id) reading nothing. On CPU (Triton interpreter) fp16 and the unpaired
-dequantization; on the GPU bf16, the paired one, at V2-Lite and V3 shapes."""
+another rank (negative id) reading nothing. On CPU (Triton interpreter) fp16, the unpaired INT4
+dequantization and FP8 dots upcast to fp32 on activations quantized by torch; on the GPU bf16, the paired
+dequantization and e4m3 tensor-core dots, at V2-Lite and V3 shapes."""
 import pytest
 import torch
 
 from dsquant.runtime.kernels.moe import fused_moe as fm
-from dsquant.runtime.kernels.moe.moe_pair_mma import moe_pair_mma_int4
-from dsquant.runtime.kernels.moe.reference_moe import moe_experts_reference
+from dsquant.runtime.kernels.moe.fused_moe_fp8 import quantize_act_fp8, quantize_act_fp8_torch
+from dsquant.runtime.kernels.moe.moe_pair_mma import moe_pair_mma_fp8, moe_pair_mma_int4
+from dsquant.runtime.kernels.moe.reference_moe import fp8_act_roundtrip, moe_experts_reference
 from tests.kernels.moe_cases import (V3_REDUCED, check_close, hidden_states, make_experts, pair_case,
                                      pair_reference, poisoned, random_topk, realistic_projection,
                                      v2_lite_decode_case, v3_experts)
@@ -33,6 +35,37 @@ def test_pair_mma_matches_dense(group, gated, split_k, device):
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     check_close(outs[0], ref, 4e-3)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_pair_fp8_matches_dense(gated, split_k, device):
+    """K = 600: 5 blocks, the last 88 wide (split 2: 3 + 2, split 3: 2 + 2 + 1); gated N = 128 (the up
+    rows in the second scale block), routed N = 200 (a partial scale block); 6 pairs; twice into
+    poisoned outputs: same bits, counters zero."""
+    t, top_k, n = 2, 3, 128 if gated else 200
+    g, dense, tw, ids, div, a = pair_case("fp8", 5, n, 600, t, top_k, gated, device, seed=split_k)
+    aq, a_s = quantize_act_fp8_torch(a)  # [rows, K] e4m3, [rows, 5]
+    ref = pair_reference(fp8_act_roundtrip(a), dense, ids, div, gated, tw)
+    outs = []
+    for _ in range(2):
+        out = poisoned(t * top_k, n, torch.float16, device)
+        moe_pair_mma_fp8(aq, a_s, g, ids, out, a_row_div=div, gated=gated, topk_weights=None if gated else tw,
+                         block_n=32, split_k=split_k, block_m=64 if split_k == 2 else 16,
+                         fp8_upcast=device == "cpu")
+        assert torch.isfinite(out).all() and int(g.splitk_counters.abs().sum()) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    check_close(outs[0], ref, 4e-3)
+
+
+def test_pair_fp8_rejects_unquantized_activations(device):
+    g, _ = realistic_projection("fp8", 2, 128, 128, torch.float16, device, seed=0)
+    ids = torch.zeros(1, 2, dtype=torch.int64, device=device)
+    a = torch.randn(2, 128, dtype=torch.float16, device=device)
+    _, a_s = quantize_act_fp8_torch(a)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        moe_pair_mma_fp8(a, a_s, g, ids, torch.empty(2, 128, dtype=torch.float16, device=device), 1, False)
 
 
 def test_pair_mma_negative_id_reads_nothing(device):
@@ -74,6 +107,22 @@ def test_fused_moe_takes_pair_mma_when_switched_on(t, k, device, monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("t,k", [(1, 6), (2, 3)])
+def test_fused_moe_takes_pair_fp8_when_switched_on(t, k, device, monkeypatch):
+    """fused_moe's FP8 decode with MOE_PAIR_MMA_FP8 on equals the grouped path (the same activation
+    quantization and products) and ran the pair kernel."""
+    weights, d13, d2 = make_experts("fp8", 8, 256, 128, torch.float16, device, seed=t * 10 + k)
+    hidden = hidden_states(t, 256, torch.float16, device, seed=k)
+    tw, ids = random_topk(t, 8, k, device)
+    grouped = fm.fused_moe(hidden, weights, tw, ids)
+    monkeypatch.setattr(fm, "MOE_PAIR_MMA_FP8", True)
+    calls = []
+    monkeypatch.setattr(fm, "moe_pair_mma_fp8", lambda *a, **kw: calls.append(kw) or moe_pair_mma_fp8(*a, **kw))
+    out = fm.fused_moe(hidden, weights, tw, ids)
+    assert len(calls) == 2
+    check_close(out, grouped.double(), 4e-3, what="pair fp8 vs grouped")
+
+
 def _projections(weights, d13, d2, tw, ids, hidden, act_in, configs):
     """Both projections, each config (block_n, warps, split_k), twice into poisoned outputs, against
     the float64 pair reference."""
@@ -107,3 +156,21 @@ def test_pair_mma_v3_bf16():
     hidden = hidden_states(1, V3_REDUCED["hidden"], torch.bfloat16, "cuda", seed=5)
     act_in = hidden_states(8, V3_REDUCED["inter"], torch.bfloat16, "cuda", seed=6)
     _projections(weights, d13, d2, tw, ids, hidden, act_in, configs=[(64, 4, 7), (64, 4, None)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [1, 4, None])
+def test_pair_fp8_v2_lite_bf16(split_k):
+    """V2-Lite FP8 experts in bf16, 8 pairs, e4m3 tensor-core dots: within W8A8 accuracy of float64 and
+    equal to the grouped kernel's pieces, whole output and per 128-channel block."""
+    weights, d13, d2, tw, ids, hidden, act_in = v2_lite_decode_case("fp8")
+    for w, dense, a, div, gated, n in ((weights.w13, d13, hidden, 8, True, 1408),
+                                       (weights.w2, d2, act_in, 1, False, 2048)):
+        aq, a_s = quantize_act_fp8(a)
+        for block_n, warps, block_m in ((32, 2, 16), (64, 4, 16), (128, 4, 16), (64, 4, 64), (32, 4, 64)):
+            out = moe_pair_mma_fp8(aq, a_s, w, ids, poisoned(8, n, torch.bfloat16, "cuda"), a_row_div=div,
+                                   gated=gated, topk_weights=None if gated else tw, block_n=block_n,
+                                   num_warps=warps, split_k=split_k, block_m=block_m)
+            assert int(w.splitk_counters.abs().sum()) == 0
+            check_close(out, pair_reference(fp8_act_roundtrip(a), dense, ids, div, gated, tw), 1e-2,
+                        what=f"{block_n}, {warps}, split {split_k}")

@@ -29,6 +29,7 @@ CASES = [
     ("moe_gemv_down", {"EARLY_IDS": True}, True),
     ("moe_pair_mma", {}, False),
     ("moe_pair_mma_down", {}, False),
+    ("moe_pair_fp8", {}, False),
     ("router_logits", {}, True),
     ("mla_prepare", {}, True),
     ("mla_merge_uv", {}, True),

@@ -41,7 +41,7 @@ from dsquant.runtime.kernels.moe.int4_dequant import dequantize_int4_grouped
 from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size, one_block_per_pair
 from dsquant.runtime.kernels.moe.moe_gemm import GemmConfig, GroupedWeight, moe_gemm
 from dsquant.runtime.kernels.moe.moe_gemv import MOE_GEMV_MAX_PAIRS, moe_gemv_int4, reserve_gemv_counters
-from dsquant.runtime.kernels.moe.moe_pair_mma import moe_pair_mma_int4
+from dsquant.runtime.kernels.moe.moe_pair_mma import moe_pair_mma_fp8, moe_pair_mma_int4
 from dsquant.runtime.kernels.moe.moe_sum import MoESumInputs, moe_sum
 
 # INT4 experts with at least this many (token, expert) pairs per expert (a prefill chunk) are
@@ -79,7 +79,7 @@ class MoeWeights:
             raise ValueError(f"w13 has {self.w13.num_experts} experts, w2 {self.w2.num_experts}")
         if self.w13.format == "fp8" and inter % 128:
             raise ValueError(f"fp8 experts need moe_intermediate_size % 128 == 0, got {inter}")
-        if self.w13.format == "int4":  # the decode GEMVs' split-K counters
+        if self.w13.format in ("int4", "fp8"):  # the decode GEMVs' (pair MMAs') split-K counters
             reserve_gemv_counters(self.w13, inter)
             reserve_gemv_counters(self.w2, self.w2.n)
 
@@ -172,6 +172,9 @@ def expert_outputs(hidden: torch.Tensor, weights: MoeWeights, topk_ids: torch.Te
     if fmt == "int4" and configs is None and 0 < t * top_k <= MOE_GEMV_MAX_PAIRS:
         _expert_gemvs(hidden, weights, topk_ids.contiguous(), act, out)
         return out.view(t, top_k, h)
+    if fmt == "fp8" and MOE_PAIR_MMA_FP8 and configs is None and 0 < t * top_k <= MOE_GEMV_MAX_PAIRS:
+        _fp8_pairs(hidden, weights, topk_ids.contiguous(), act, out)
+        return out.view(t, top_k, h)
     if fmt == "int4" and configs is None and _dequantize_first(weights, t * top_k, hidden.element_size()):
         weights = MoeWeights(dequantize_int4_grouped(weights.w13, hidden.dtype),
                              dequantize_int4_grouped(weights.w2, hidden.dtype))
@@ -213,6 +216,21 @@ def _dequantize_first(weights: MoeWeights, pairs: int, elem_bytes: int) -> bool:
 # timed against the GEMV (scripts/moe_gemv_probe.py --pair-mma, then the engine).
 MOE_PAIR_MMA = os.environ.get("DSQUANT_MOE_PAIR_MMA", "0") == "1"
 PAIR_MMA_CONFIGS = ((64, 4, None), (64, 4, None))
+# FP8 experts' decode pairs the same way (moe_pair_mma_fp8) instead of the grouped GEMMs on one block
+# per pair: off until timed; PAIR_FP8_CONFIGS as PAIR_MMA_CONFIGS
+MOE_PAIR_MMA_FP8 = os.environ.get("DSQUANT_MOE_PAIR_MMA_FP8", "0") == "1"
+PAIR_FP8_CONFIGS = ((64, 4, None, 64), (64, 4, None, 64))  # (block_n, num_warps, split_k, block_m)
+
+
+def _fp8_pairs(hidden, weights: MoeWeights, ids, act, out) -> None:
+    """Decode-sized FP8 batches on moe_pair_mma_fp8: act [T*P, I] and out [T*P, H] are written."""
+    (bn13, w13, s13, bm13), (bn2, w2, s2, bm2) = PAIR_FP8_CONFIGS
+    upcast = os.environ.get("TRITON_INTERPRET") == "1"
+    a, a_s = quantize_act_fp8(hidden)
+    moe_pair_mma_fp8(a, a_s, weights.w13, ids, act, ids.shape[1], True, None, bn13, w13, s13, block_m=bm13,
+                     fp8_upcast=upcast)
+    a, a_s = quantize_act_fp8(act)
+    moe_pair_mma_fp8(a, a_s, weights.w2, ids, out, 1, False, None, bn2, w2, s2, block_m=bm2, fp8_upcast=upcast)
 
 
 def _expert_gemvs(hidden, weights: MoeWeights, ids, act, out) -> None:

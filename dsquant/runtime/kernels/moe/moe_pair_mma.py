@@ -1,4 +1,4 @@
-"""INT4 experts at decode on the tensor cores: one program per (pair, BLOCK_N channels, K split).
+"""INT4 and FP8 experts at decode on the tensor cores: one program per (pair, BLOCK_N channels, K split).
 
 The per-pair GEMV (moe_gemv.py) turns each code into an fp32 FFMA, about 4.8 instructions a code in
 its sm_90 loop, and at one token on the V2-Lite layer it runs at about a third of the roofline. The
@@ -16,6 +16,14 @@ Layouts as in moe_gemv.py: a [rows, K] bf16/fp16 with unit column stride (row pa
 qweight int32 [E, N/16, K/128, 16, 16] (moe_gemm's "int4"), scales [E, K/G, N] in a's dtype, zeros
 uint8 [E, K/G, N]; out [P, N] (N/2 when gated) in a's dtype; K % 128 == 0; G 32, 64 or 128. A pair
 whose expert id is negative reads no weight and gets zeros, as in the GEMV.
+
+FP8 (moe_pair_mma_fp8): the grouped GEMM's FP8 step (moe_gemm: e4m3 activation [BLOCK_M, 128] by
+weight [128, BLOCK_N] tiles on the tensor cores, times the activation's per-token and the weight's
+per-block scale) over one split's chunks, same grid and epilogue. At one token the grouped GEMM on
+one block per pair runs 176 gate/up programs on the V2-Lite layer, 1.3 waves of 132 SMs; split-K
+gives the tail more programs. Layouts: a float8_e4m3fn [rows, K] with a_scale fp32 [rows,
+ceil(K/128)] (quantize_act_fp8), weight float8_e4m3fn [E, N, K], scale_inv fp32 [E, ceil(N/128),
+ceil(K/128)]; gated N % 128 == 0 (MoeWeights checks it).
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ import triton.language as tl
 from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.gemm.splitk import split_range
 from dsquant.runtime.kernels.gemm.w4a16_mma import _MAGIC, paired_default
-from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight
+from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight, _load_weight_tile
 from dsquant.runtime.kernels.moe.moe_gemv import check_pair_gemv, pair_epilogue, pair_launch
 from dsquant.runtime.kernels.moe.moe_int4_loop import int4_mainloop
 
@@ -93,5 +101,89 @@ def moe_pair_mma_int4(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor,
                                split, GROUP=w.group_size, GATED=gated, ROUTED=topk_weights is not None,
                                MAGIC=_MAGIC[a.dtype], PAIRED=paired_default() if _paired is None else _paired,
                                BLOCK_N=block_n, BLOCK_M=BLOCK_M, num_warps=num_warps, num_stages=num_stages,
+                               **pdl.launch(a.device))
+    return out
+
+
+@triton.jit
+def _fp8_chunk(acc, a, a_s, w_ptr, s_ptr, expert, offs_n, n_mask, c, K, stride_we, stride_wn, stride_se,
+               stride_s1, stride_s2, FP8_UPCAST: tl.constexpr):
+    """acc [BM, BN] += chunk c: a [BM, 128] e4m3 (scales a_s [BM]) by W_e[offs_n, 128c:128c+128]^T."""
+    b = _load_weight_tile(w_ptr, expert, offs_n, n_mask, c * 128, K, stride_we, stride_wn, 128)  # [128, BN]
+    w_s = tl.load(s_ptr + expert * stride_se + c * stride_s2 + (offs_n // 128) * stride_s1, mask=n_mask, other=0.0)
+    if FP8_UPCAST:  # the Triton interpreter has no fp8 dot: the same products in fp32
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return acc + tl.dot(a, b) * a_s[:, None] * w_s[None, :]
+
+
+@triton.jit(do_not_specialize=["split_k"])
+def _moe_pair_fp8_kernel(a_ptr, as_ptr, w_ptr, s_ptr, out_ptr, part_ptr, counters_ptr, topk_w_ptr, ids_ptr,
+                         N, K, a_row_div, stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_s1,
+                         stride_s2, stride_om, split_k, GATED: tl.constexpr, ROUTED: tl.constexpr,
+                         FP8_UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """Grid (P, cdiv(N, BLOCK_N), split_k); layouts in the module docstring (FP8)."""
+    pdl.enter(PDL)
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    here = expert >= 0
+    expert = tl.maximum(expert, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = (offs_n < N) & here
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = (rows == 0) & here  # [BM]: row 0 is the pair
+    a_row = tl.zeros([BLOCK_M], dtype=tl.int64) + (pair // a_row_div).to(tl.int64)
+    c_lo, c_hi = split_range(pid_k, tl.cdiv(K, 128), split_k)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for c in range(c_lo, c_hi):
+        offs_k = c * 128 + tl.arange(0, 128)
+        a = tl.load(a_ptr + a_row[:, None] * stride_am + offs_k[None, :],
+                    mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0)  # [BM, 128] e4m3
+        a_s = tl.load(as_ptr + a_row * stride_asm + c, mask=row_mask, other=0.0)  # [BM]
+        acc = _fp8_chunk(acc, a, a_s, w_ptr, s_ptr, expert, offs_n, n_mask, c, K, stride_we, stride_wn,
+                         stride_se, stride_s1, stride_s2, FP8_UPCAST)
+        if GATED:
+            acc_up = _fp8_chunk(acc_up, a, a_s, w_ptr, s_ptr, expert, offs_n + N, n_mask, c, K, stride_we,
+                                stride_wn, stride_se, stride_s1, stride_s2, FP8_UPCAST)
+    y = tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0)  # [BN]: row 0, the pair's
+    y_up = y
+    if GATED:
+        y_up = tl.sum(tl.where(rows[:, None] == 0, acc_up, 0.0), axis=0)
+    pair_epilogue(y, y_up, out_ptr, part_ptr, counters_ptr, topk_w_ptr, pair, pid_n, pid_k, split_k,
+                  offs_n, N, stride_om, GATED, ROUTED)
+
+
+def moe_pair_mma_fp8(a: torch.Tensor, a_scale: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor,
+                     out: torch.Tensor, a_row_div: int, gated: bool, topk_weights: torch.Tensor | None = None,
+                     block_n: int = 64, num_warps: int = 4, split_k: int | None = None, num_stages: int = 3,
+                     block_m: int = BLOCK_M, fp8_upcast: bool = False) -> torch.Tensor:
+    """out [P, N or N/2 when gated] (bf16/fp16) for the P = topk_ids.numel() pairs of FP8 experts; a
+    e4m3 [rows, K] with a_scale fp32 [rows, ceil(K/128)] (module docstring). block_m: the token tile,
+    one row of it real; 16 compiles (Triton 3.8, sm_90) to fp16 MMAs on codes converted in registers,
+    64 to e4m3 wgmma (QGMMA) on the codes as loaded. fp8_upcast: the dots in fp32 (the Triton
+    interpreter has no fp8 dot)."""
+    pairs, n_out = check_pair_gemv("moe_pair_mma_fp8", a, w, topk_ids, out, a_row_div, gated, "fp8")
+    if block_n < 16 or block_n & (block_n - 1) or block_m not in (16, 64):
+        raise ValueError(f"moe_pair_mma_fp8: block_n must be a power of two >= 16 and block_m 16 or 64, "
+                         f"got {block_n} and {block_m}")
+    chunks = triton.cdiv(w.k, 128)
+    if (a.dtype != torch.float8_e4m3fn or a_scale.dtype != torch.float32 or tuple(a_scale.shape) != (a.shape[0], chunks)
+            or a_scale.stride(1) != 1):
+        raise ValueError(f"moe_pair_mma_fp8: a must be float8_e4m3fn with a_scale fp32 [{a.shape[0]}, {chunks}] "
+                         f"(unit column stride), got {a.dtype} and {a_scale.dtype} {tuple(a_scale.shape)}")
+    if pairs == 0:
+        return out
+    ids = topk_ids.reshape(-1)
+    tw = topk_weights.reshape(-1).float() if topk_weights is not None else a_scale
+    grid, split, part, counters = pair_launch(w, pairs, n_out, block_n, split_k, gated, a.device)
+    _moe_pair_fp8_kernel[grid](a, a_scale, w.weight, w.scales, out, part, counters, tw, ids, n_out, w.k,
+                               a_row_div, a.stride(0), a_scale.stride(0), w.weight.stride(0), w.weight.stride(1),
+                               w.scales.stride(0), w.scales.stride(1), w.scales.stride(2), out.stride(0), split,
+                               GATED=gated, ROUTED=topk_weights is not None, FP8_UPCAST=fp8_upcast,
+                               BLOCK_N=block_n, BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages,
                                **pdl.launch(a.device))
     return out
