@@ -33,8 +33,8 @@ from dsquant.runtime.kernels.moe.moe_gemv import default_split_k, effective_spli
 from dsquant.runtime.kernels.moe.moe_pair_mma import moe_pair_mma_int4
 
 # (block_n, num_warps, split_k or None for the rule) of the pair MMA
-PAIR_CONFIGS = [(32, 1, None), (32, 2, None), (32, 2, 4), (64, 2, None), (64, 2, 2), (64, 2, 4), (64, 2, 8),
-                (64, 4, None), (64, 4, 4), (64, 4, 8), (128, 4, None), (128, 4, 4), (128, 4, 8), (128, 4, 16)]
+PAIR_CONFIGS = [(32, 1, None), (32, 2, None), (64, 2, None), (64, 2, 4), (64, 4, None), (64, 4, 8), (128, 4, None),
+                (128, 4, 8)]
 CONFIGS = [(8, 1, 1), (8, 1, None), (16, 1, None), (16, 1, 1), (16, 1, 4), (32, 1, None), (32, 2, None), (64, 4, None)]
 
 

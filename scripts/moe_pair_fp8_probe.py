@@ -31,9 +31,8 @@ from dsquant.runtime.kernels.moe.moe_gemv import default_split_k, effective_spli
 from dsquant.runtime.kernels.moe.moe_pair_mma import moe_pair_mma_fp8
 from dsquant.runtime.kernels.moe.reference_moe import dequantize_fp8_experts
 
-PAIR_CONFIGS = [(32, 2, None, 16), (64, 4, None, 16), (64, 4, 2, 16), (64, 4, 4, 16), (128, 4, None, 16),
-                (32, 4, None, 64), (64, 4, None, 64), (64, 4, 2, 64), (64, 4, 4, 64), (64, 4, 8, 64),
-                (128, 4, None, 64), (128, 4, 2, 64), (128, 8, 4, 64)]
+PAIR_CONFIGS = [(64, 4, None, 16), (64, 4, 4, 16), (32, 4, None, 64), (64, 4, None, 64), (64, 4, 2, 64),
+                (64, 4, 4, 64), (128, 4, None, 64), (128, 4, 4, 64)]
 
 
 def main() -> None:
