@@ -42,6 +42,23 @@ BLOCK_M = 16  # the dot's smallest token tile; one row of it is real
 
 
 @triton.jit
+def _pair_program(ids_ptr, a_row_div, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's pair, n-block and split, its expert (a negative id: clamped, with every mask off),
+    channels offs_n [BN] and their mask, and the token tile's rows: row_mask [BM] (row 0 only) and
+    their activation row a_row [BM] int64."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    here = expert >= 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = (offs_n < N) & here
+    row_mask = (tl.arange(0, BLOCK_M) == 0) & here  # [BM]: row 0 is the pair
+    a_row = tl.zeros([BLOCK_M], dtype=tl.int64) + (pair // a_row_div).to(tl.int64)
+    return pair, pid_n, pid_k, tl.maximum(expert, 0), offs_n, n_mask, row_mask, a_row
+
+
+@triton.jit
 def _row0(acc, BLOCK_M: tl.constexpr):
     """acc [BN, BM] -> its column 0 [BN] (the pair's row of the transposed product)."""
     return tl.sum(tl.where(tl.arange(0, BLOCK_M)[None, :] == 0, acc, 0.0), axis=1)
@@ -55,16 +72,8 @@ def _moe_pair_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters
                          BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (P, cdiv(N, BLOCK_N), split_k); layouts in the module docstring."""
     pdl.enter(PDL)
-    pair = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    here = expert >= 0
-    expert = tl.maximum(expert, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = (offs_n < N) & here
-    row_mask = (tl.arange(0, BLOCK_M) == 0) & here  # [BM]: row 0 is the pair
-    a_row = tl.zeros([BLOCK_M], dtype=tl.int64) + (pair // a_row_div).to(tl.int64)
+    pair, pid_n, pid_k, expert, offs_n, n_mask, row_mask, a_row = _pair_program(ids_ptr, a_row_div, N, BLOCK_N,
+                                                                                BLOCK_M)
     c_lo, c_hi = split_range(pid_k, K // 128, split_k)
     acc, acc_up = int4_mainloop(a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask,
                                 N, c_lo, c_hi, stride_we, stride_wc, stride_se, stride_s1, stride_s2, GATED, GROUP,
@@ -125,17 +134,8 @@ def _moe_pair_fp8_kernel(a_ptr, as_ptr, w_ptr, s_ptr, out_ptr, part_ptr, counter
                          PDL: tl.constexpr = False):
     """Grid (P, cdiv(N, BLOCK_N), split_k); layouts in the module docstring (FP8)."""
     pdl.enter(PDL)
-    pair = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    here = expert >= 0
-    expert = tl.maximum(expert, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = (offs_n < N) & here
-    rows = tl.arange(0, BLOCK_M)
-    row_mask = (rows == 0) & here  # [BM]: row 0 is the pair
-    a_row = tl.zeros([BLOCK_M], dtype=tl.int64) + (pair // a_row_div).to(tl.int64)
+    pair, pid_n, pid_k, expert, offs_n, n_mask, row_mask, a_row = _pair_program(ids_ptr, a_row_div, N, BLOCK_N,
+                                                                                BLOCK_M)
     c_lo, c_hi = split_range(pid_k, tl.cdiv(K, 128), split_k)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -149,10 +149,10 @@ def _moe_pair_fp8_kernel(a_ptr, as_ptr, w_ptr, s_ptr, out_ptr, part_ptr, counter
         if GATED:
             acc_up = _fp8_chunk(acc_up, a, a_s, w_ptr, s_ptr, expert, offs_n + N, n_mask, c, K, stride_we,
                                 stride_wn, stride_se, stride_s1, stride_s2, FP8_UPCAST)
-    y = tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0)  # [BN]: row 0, the pair's
+    y = _row0(tl.trans(acc), BLOCK_M)  # [BN]: row 0, the pair's
     y_up = y
     if GATED:
-        y_up = tl.sum(tl.where(rows[:, None] == 0, acc_up, 0.0), axis=0)
+        y_up = _row0(tl.trans(acc_up), BLOCK_M)
     pair_epilogue(y, y_up, out_ptr, part_ptr, counters_ptr, topk_w_ptr, pair, pid_n, pid_k, split_k,
                   offs_n, N, stride_om, GATED, ROUTED)
 
