@@ -233,9 +233,10 @@ class LLMEngine:
         p = seq.params
         return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
 
-    def _check_stop(self, seq: Sequence, token: int, detok, num_tokens: int) -> str | None:
-        """Why seq stops at `token`, its num_tokens-th token (prompt included), or None."""
-        if self._is_stop_token(seq, token) or (detok is not None and detok.stopped_on is not None):
+    def _check_stop(self, seq: Sequence, stop_token: bool, detok, num_tokens: int) -> str | None:
+        """Why seq stops at its num_tokens-th token (prompt included; stop_token: a stop token id or
+        EOS), or None."""
+        if stop_token or (detok is not None and detok.stopped_on is not None):
             return "stop"
         if seq.ends_by_length(num_tokens, self.max_model_len):
             return "length"
@@ -281,6 +282,7 @@ class LLMEngine:
         if rec is not None:
             rec.wait_s += time.perf_counter() - wait
         now, outputs, bm = time.monotonic(), [], self.block_manager
+        bs, caching = bm.block_size, bm.enable_prefix_caching
         for seq, index in zip(step.seqs, step.token_index):
             if index < 0:
                 if not seq.is_finished:
@@ -290,11 +292,13 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             seq.token_ids[index] = token
-            bm.register_full_blocks(seq)
+            if caching and seq.num_computed_tokens // bs > len(seq.block_hashes):  # a block filled up
+                bm.register_full_blocks(seq)
             seq.first_token_time = seq.first_token_time or now
             _, detok = self.requests[seq.request_id]
-            delta = detok.add([] if self._is_stop_token(seq, token) else [token]) if detok is not None else ""
-            reason = self._check_stop(seq, token, detok, index + 1)
+            stop_token = self._is_stop_token(seq, token)
+            delta = detok.add([] if stop_token else [token]) if detok is not None else ""
+            reason = self._check_stop(seq, stop_token, detok, index + 1)
             if reason is not None:
                 delta += detok.flush() if detok is not None else ""  # text held back for a stop string
                 self.scheduler.finish(seq, reason)
