@@ -12,7 +12,10 @@ TB/s roofline. full - loads_only is what the dequantization and dot cost; loads_
 roofline is what the launch shape and load pattern cost. full_two_lop3: the full kernel with the
 nibble's AND and OR as plain Triton ops (two LOP3s a code) instead of one inline lop3.
 --kernels pair (or gemv,pair) adds the tensor-core form with split-K (moe_pair_mma.py) over
-PAIR_CONFIGS, form "full" only, and --gemv-default keeps only the GEMV config fused_moe runs.
+PAIR_CONFIGS, form "full" only, and --gemv-default keeps only the GEMV config fused_moe runs;
+--kernels grouped adds the grouped GEMM at fused_moe's config (pick_configs; one block per pair up to
+ONE_BLOCK_PER_PAIR_MAX_TOKENS tokens, else moe_align, which is built outside the timed region: the
+engine builds it once per layer for both projections), the path beyond MOE_GEMV_MAX_PAIRS pairs.
 """
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ from dsquant.bench.common import environment
 from dsquant.bench.moe import E, H, I, N_SHARED, ROOFLINE_GBS, TOP_K, _random_dense, _routing, build_layer
 from dsquant.runtime.kernels.moe.int4_dequant import dequantize_int4_grouped
 from dsquant.runtime.kernels.moe.moe_gemv import default_split_k, effective_split, moe_gemv_int4
+from dsquant.runtime.kernels.moe.fused_moe import ONE_BLOCK_PER_PAIR_MAX_TOKENS, pick_configs
+from dsquant.runtime.kernels.moe.moe_align import moe_align_block_size, one_block_per_pair
+from dsquant.runtime.kernels.moe.moe_gemm import moe_gemm
 from dsquant.runtime.kernels.moe.moe_pair_mma import moe_pair_mma_int4
 
 # (block_n, num_warps, split_k or None for the rule) of the pair MMA
@@ -52,12 +58,32 @@ def _rel_err(kernel, a, g, ids, out, tw, dense, gated, pairs, n_out, block_n, wa
     return float((out.float() - ref).norm() / ref.norm())
 
 
+def _grouped_row(calls, t, pairs, gated, n_out, dense, nbytes, dev) -> dict:
+    """The grouped GEMM as fused_moe runs it past the decode rule (see the module docstring)."""
+    div = TOP_K + N_SHARED if gated else 1
+    cfg = pick_configs(pairs, E + N_SHARED, "int4")[0 if gated else 1]
+    aligns = [one_block_per_pair(ids, cfg.block_m) if t <= ONE_BLOCK_PER_PAIR_MAX_TOKENS
+              else moe_align_block_size(ids, E + N_SHARED, cfg.block_m) for _, _, ids, _, _ in calls]
+
+    def run():
+        for (a_, g_, ids_, out_, tw_), align in zip(calls, aligns):
+            moe_gemm(a_, g_, align, out_, cfg, div, gated, None if gated else tw_)
+    a, g, ids, out, tw = calls[0]
+    r = dict(kernel="grouped", tokens=t, projection="gate_up" if gated else "down", block_n=cfg.block_n,
+             warps=cfg.num_warps, split_k=1, bytes=nbytes,
+             rel_err=_rel_err(lambda *args: moe_gemm(a, g, aligns[0], out, cfg, div, gated, None if gated else tw),
+                              a, g, ids, out, tw, dense, gated, pairs, n_out, 0, 0, None, dev))
+    us = tt.do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3 / len(calls)
+    r["full_us"], r["full_roofline"] = us, nbytes / us / 1e3 / ROOFLINE_GBS
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--tokens", default="1,2")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--kernels", default="gemv", help="gemv, pair or gemv,pair")
+    ap.add_argument("--kernels", default="gemv", help="a comma list of gemv, pair, grouped")
     ap.add_argument("--gemv-default", action="store_true", help="only the GEMV config fused_moe runs (16, 1, rule)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script under TRITON_INTERPRET")
     args = ap.parse_args()
@@ -96,6 +122,9 @@ def main() -> None:
                 r["full_us"], r["full_roofline"] = us, nbytes / us / 1e3 / ROOFLINE_GBS
                 rows.append(r)
                 print(json.dumps(r), flush=True)
+            if "grouped" in kinds:
+                rows.append(_grouped_row(calls, t, pairs, gated, n_out, dense, nbytes, dev))
+                print(json.dumps(rows[-1]), flush=True)
             for block_n, warps, split in (gemv_configs if "gemv" in kinds else []):
                 r = dict(kernel="gemv", tokens=t, projection="gate_up" if gated else "down", block_n=block_n, warps=warps,
                          split_k=effective_split(split, k // 128) if split else default_split_k(pairs, n_out, k, block_n),
