@@ -49,9 +49,9 @@ def projection_bytes(g, experts) -> int:
     return sum(t[0].numel() * t.element_size() * len(experts) for t in (g.weight, g.scales, g.zeros))
 
 
-def _rel_err(kernel, a, g, ids, out, tw, dense, gated, pairs, n_out, block_n, warps, split, dev) -> float:
-    """||kernel - float32 product of the dequantized experts|| / ||that product|| on one layer."""
-    kernel(a, g, ids, out, TOP_K + N_SHARED if gated else 1, gated, None if gated else tw, block_n, warps, split)
+def _rel_err(run, a, ids, out, tw, dense, gated, pairs, n_out, dev) -> float:
+    """||out after run() - float32 product of the dequantized experts|| / ||that product|| on one layer."""
+    run()
     rows_a = a.float()[torch.arange(pairs, device=dev) // (TOP_K + N_SHARED)] if gated else a.float()
     y = torch.einsum("pk,pnk->pn", rows_a, dense[ids.reshape(-1)])  # [P, N]
     ref = (torch.nn.functional.silu(y[:, :n_out]) * y[:, n_out:]) if gated else y * tw.reshape(-1, 1).float()
@@ -71,8 +71,8 @@ def _grouped_row(calls, t, pairs, gated, n_out, dense, nbytes, dev) -> dict:
     a, g, ids, out, tw = calls[0]
     r = dict(kernel="grouped", tokens=t, projection="gate_up" if gated else "down", block_n=cfg.block_n,
              warps=cfg.num_warps, split_k=1, bytes=nbytes,
-             rel_err=_rel_err(lambda *args: moe_gemm(a, g, aligns[0], out, cfg, div, gated, None if gated else tw),
-                              a, g, ids, out, tw, dense, gated, pairs, n_out, 0, 0, None, dev))
+             rel_err=_rel_err(lambda: moe_gemm(a, g, aligns[0], out, cfg, div, gated, None if gated else tw),
+                              a, ids, out, tw, dense, gated, pairs, n_out, dev))
     us = tt.do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3 / len(calls)
     r["full_us"], r["full_roofline"] = us, nbytes / us / 1e3 / ROOFLINE_GBS
     return r
@@ -111,8 +111,9 @@ def main() -> None:
                 r = dict(kernel="pair_mma", tokens=t, projection="gate_up" if gated else "down", block_n=block_n,
                          warps=warps, split_k=effective_split(split, k // 128) if split else
                          default_split_k(pairs, n_out, k, block_n), bytes=nbytes)
-                r["rel_err"] = _rel_err(moe_pair_mma_int4, a, g, ids, out, tw, dense, gated, pairs, n_out, block_n,
-                                        warps, split, dev)
+                r["rel_err"] = _rel_err(lambda: moe_pair_mma_int4(a, g, ids, out, TOP_K + N_SHARED if gated else 1, gated,
+                                                        None if gated else tw, block_n, warps, split),
+                                        a, ids, out, tw, dense, gated, pairs, n_out, dev)
 
                 def run_pair():
                     for a_, g_, ids_, out_, tw_ in calls:
@@ -129,8 +130,9 @@ def main() -> None:
                 r = dict(kernel="gemv", tokens=t, projection="gate_up" if gated else "down", block_n=block_n, warps=warps,
                          split_k=effective_split(split, k // 128) if split else default_split_k(pairs, n_out, k, block_n),
                          bytes=nbytes)
-                r["rel_err"] = _rel_err(moe_gemv_int4, a, g, ids, out, tw, dense, gated, pairs, n_out, block_n,
-                                        warps, split, dev)
+                r["rel_err"] = _rel_err(lambda: moe_gemv_int4(a, g, ids, out, TOP_K + N_SHARED if gated else 1, gated,
+                                                        None if gated else tw, block_n, warps, split),
+                                        a, ids, out, tw, dense, gated, pairs, n_out, dev)
                 for form, loads_only, asm in (("full", False, None), ("loads_only", True, None),
                                               ("full_two_lop3", False, False)):
                     def run(loads_only=loads_only, asm=asm):

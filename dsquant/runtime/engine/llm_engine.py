@@ -282,7 +282,6 @@ class LLMEngine:
         if rec is not None:
             rec.wait_s += time.perf_counter() - wait
         now, outputs, bm = time.monotonic(), [], self.block_manager
-        bs, caching = bm.block_size, bm.enable_prefix_caching
         for seq, index in zip(step.seqs, step.token_index):
             if index < 0:
                 if not seq.is_finished:
@@ -292,8 +291,7 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             seq.token_ids[index] = token
-            if caching and seq.num_computed_tokens // bs > len(seq.block_hashes):  # a block filled up
-                bm.register_full_blocks(seq)
+            bm.register_full_blocks(seq)
             seq.first_token_time = seq.first_token_time or now
             _, detok = self.requests[seq.request_id]
             stop_token = self._is_stop_token(seq, token)
