@@ -9,7 +9,7 @@ loads are not vectorized and the SASS is not the one the GPU runs. Used by scrip
 Presets: moe_gemv (moe_gemv._moe_gemv_kernel, gated, G 128), moe_gemv_down (routed, not gated),
 moe_pair_mma, moe_pair_mma_down (moe_pair_mma._moe_pair_mma_kernel, likewise, BLOCK_N 64, 4 warps),
 moe_pair_fp8 (moe_pair_mma._moe_pair_fp8_kernel, gated),
-w4a16_gemv_sliced, w4a16_gemv_kblock, fp8_gemv (A_MODE 0), fp8_gemv_kblock, rms_norm, router_logits,
+w4a16_gemv_sliced, w4a16_gemv_kblock, w4a16_mma (BLOCK_N 64, BLOCK_M 16, 2 warps), fp8_gemv (A_MODE 0), fp8_gemv_kblock, rms_norm, router_logits,
 mla_prepare, mla_merge_uv.
 """
 from __future__ import annotations
@@ -85,6 +85,15 @@ def preset(name: str) -> Preset:
             return Preset(w4a16_gemv._w4a16_gemv_sliced_kernel, args, ce, div, [], 2)
         ce = dict(GROUP=128, BLOCK_N=16, BLOCK_M=1, K_CHUNKS=16, HAS_PERM=False, ASM=True, PDL=False)
         return Preset(w4a16_gemv_kblock._w4a16_gemv_kblock_kernel, args, ce, div, [], 4)
+    if name == "w4a16_mma":
+        from dsquant.runtime.kernels.gemm import w4a16_mma
+        args = _typed("x_ptr qw_ptr s_ptr z_ptr perm_ptr out_ptr part_ptr counters_ptr",
+                      "*bf16 *i32 *bf16 *u8 *i32 *bf16 *fp32 *i32")
+        args += _ints("M N num_chunks stride_xm stride_qn stride_sg stride_zg stride_om split_k")
+        ce = dict(GROUP=128, BLOCK_N=64, BLOCK_M=16, HAS_PERM=False, MAGIC=0x4300, PAIRED=True, SWIZZLE=8, TILE_N=0,
+                  PREFETCH=False, PDL=False)
+        return Preset(w4a16_mma._w4a16_mma_kernel, args, ce,
+                      ["N", "num_chunks", "stride_xm", "stride_qn", "stride_sg", "stride_zg", "stride_om"], [], 2)
     if name == "fp8_gemv":
         from dsquant.runtime.kernels.gemm import fp8_gemv as mod
         args = _typed("x_ptr xs_ptr w_ptr ws_ptr out_ptr part_ptr counters_ptr",
