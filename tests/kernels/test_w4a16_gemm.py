@@ -325,3 +325,56 @@ def test_w4a16_mma_prefetch_and_tile_major(device, group, prefetch):
         y = w4a16_mma(x, q, packed.scales, packed.zeros, group, _poisoned(m, n, torch.float16, device),
                       64, 16, 4, tile_n=tile_n, prefetch=prefetch)
         _check(y, x, dense, torch.float16, f"tile_n {tile_n}")
+
+
+def _scaled_weight_ref(dense, dtype):
+    """float64 [N, K]: (q - z) * s rounded once to `dtype`, the weight SCALE_W multiplies (as the
+    dequantizing paths give cuBLAS): dense is that product exactly, from scales already in `dtype`."""
+    return dense.to(dtype).double()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_w4a16_mma_scaled_weights(device, group):
+    """SCALE_W (the scales multiplied into the weight, one dot chain across chunks) equals x @ W^T
+    with W = (q - z) * s rounded to x's dtype, at a partial N (200 rows: a partial 64-row tile),
+    16- and 64-token tiles, split-K 3 over 5 chunks; outputs poisoned, counters left zero."""
+    from dsquant.runtime.kernels.gemm.w4a16_mma import w4a16_mma
+    from dsquant.runtime.kernels.gemm.w4a16_repack import codes_nk, slice_codes
+
+    n, k = 200, 640
+    packed, dense = _awq_weights(n, k, group, device, seed=group + 11)
+    qs = slice_codes(codes_nk(packed))  # [N, K/8]
+    w_ref = _scaled_weight_ref(dense, torch.float16)
+    for m, block_m in ((5, 16), (33, 64)):
+        x = _x(m, k, torch.float16, device, seed=m)
+        y = w4a16_mma(x, qs, packed.scales, packed.zeros, group, _poisoned(m, n, torch.float16, device),
+                      64, block_m, 3, scale_w=True)
+        _check(y, x, dense, torch.float16, f"M={m} vs the exact weight")
+        ref = x.double() @ w_ref.t().to(x.device)
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err < 5e-4, f"M={m}: {err:.2e} against the rounded scaled weight"
+    assert int(packed.splitk_counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,group", [(3648, 2048, 128), (2048, 2048, 64), (576, 7168, 32)])
+def test_w4a16_mma_scaled_weights_gpu_bf16(n, k, group):
+    """SCALE_W in bf16 (the packed lop3 / sub.bf16x2 / mul.bf16x2 path) at DeepSeek shapes, the probe's
+    tiles (64 rows x 16 tokens, 2 warps; 128 x 64, 4 warps), against the bf16-rounded scaled weight."""
+    from dsquant.runtime.kernels.gemm.w4a16_mma import w4a16_mma
+    from dsquant.runtime.kernels.gemm.w4a16_repack import codes_nk, slice_codes
+
+    q, s, z = quantize_int_groupwise(_weight(n, k, group, "cuda", n + k), group)
+    qweight, qzeros, scales = to_awq_tensors(q, s, z, dtype=torch.bfloat16)
+    packed = repack_awq(qweight, qzeros, scales, group)
+    dense = _codes_dense(q, scales.t(), z, group)  # exact (q - z) * s with bf16 scales
+    qs = slice_codes(codes_nk(packed))
+    w_ref = _scaled_weight_ref(dense, torch.bfloat16)
+    for m, block_m, block_n, warps, split in ((1, 16, 64, 2, 4), (16, 16, 64, 2, 4), (64, 64, 128, 4, 4)):
+        x = _x(m, k, torch.bfloat16, "cuda", seed=m)
+        y = w4a16_mma(x, qs, packed.scales, packed.zeros, group, _poisoned(m, n, torch.bfloat16, "cuda"),
+                      block_n, block_m, split, num_warps=warps, num_stages=3, scale_w=True)
+        _check(y, x, dense, torch.bfloat16, f"M={m} vs the exact weight")
+        ref = x.double() @ w_ref.t()
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err < 4e-3, f"M={m}: {err:.2e} against the rounded scaled weight"
