@@ -238,6 +238,7 @@ def main() -> None:
                 r = dict(k=k, n=n, m=m, cfg=cfg, us=us, rel=rel, bf16_us=bf16_us, cur_us=cur_us, rule_us=rule_us,
                          cold_mb=args.cold)
                 rows.append(r)
+                print(json.dumps(r), flush=True)  # each row as it comes: a step cut by its limit keeps them
                 if rel < 1e-2 and (best is None or us < best["us"]):
                     best = r
             if best:
