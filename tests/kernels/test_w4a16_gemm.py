@@ -339,7 +339,7 @@ def test_w4a16_mma_scaled_weights(device, group):
     with W = (q - z) * s rounded to x's dtype, at a partial N (200 rows: a partial 64-row tile),
     16- and 64-token tiles, split-K 3 over 5 chunks; outputs poisoned, counters left zero."""
     from dsquant.runtime.kernels.gemm.w4a16_mma import w4a16_mma
-    from dsquant.runtime.kernels.gemm.w4a16_repack import codes_nk, slice_codes
+    from dsquant.runtime.kernels.gemm.w4a16_repack import codes_nk, kernel_weights, slice_codes
 
     n, k = 200, 640
     packed, dense = _awq_weights(n, k, group, device, seed=group + 11)
@@ -354,6 +354,10 @@ def test_w4a16_mma_scaled_weights(device, group):
         err = float((y.double() - ref).norm() / ref.norm())
         assert err < 5e-4, f"M={m}: {err:.2e} against the rounded scaled weight"
     assert int(packed.splitk_counters.abs().sum()) == 0
+    sliced = kernel_weights(codes_nk(packed).t(), packed.zeros, packed.scales, group)  # through w4a16_linear
+    x = _x(17, k, torch.float16, device, seed=17)
+    y = w4a16_linear(x, sliced, GemmConfig(32, 64, 2, 4, 3, scale_w=True), out=_poisoned(17, n, torch.float16, device))
+    _check(y, x, dense, torch.float16, "w4a16_linear, GemmConfig.scale_w")
 
 
 @pytest.mark.gpu
