@@ -3,7 +3,7 @@ current w4a16_linear, on varied-scale weights; sweeps its launch configs and rec
 code's shared-memory traffic.
 
     python scripts/w4a16_mma_probe.py OUT.json [--shapes 7168x18432,...] [--m 1,4,16,64] [--rep-ms 10] [--cold 256]
-        [--warps 2,4] [--splits 2,4,8] [--stages 3] [--scale-w]
+        [--warps 2,4] [--splits 2,4,8] [--stages 3]
 
 Each row has the sweep config's time (us), bf16 cuBLAS (bf16_us), the old plain-order path (cur_us) and
 w4a16_linear on the engine's k-sliced weight, i.e. what gemm_configs dispatches today (rule_us). --cold MB
@@ -81,7 +81,7 @@ def sass_counts(compiled) -> dict:
     return out, ttgir
 
 
-def configs(m, wide=False, warps=(4,), splits=(1, 2, 4, 8, 16), scale_ws=(False,), stage_list=(3, 4)):
+def configs(m, wide=False, warps=(4,), splits=(1, 2, 4, 8, 16), stage_list=(3, 4)):
     bm = max(16, triton.next_power_of_2(m)) if m <= 64 else 64
     if wide:  # the MMA v2 sweep: wider weight tiles and 8 warps, paired only
         for bn in (64, 128, 256):
@@ -94,11 +94,10 @@ def configs(m, wide=False, warps=(4,), splits=(1, 2, 4, 8, 16), scale_ws=(False,
             for stages in stage_list:
                 for paired in (True, False):
                     for nw in warps:
-                        for sw in scale_ws:
-                            if not paired and (stages != 4 or bn != 64 or nw != warps[0] or sw):
-                                continue
-                            yield dict(block_n=bn, block_m=bm, split_k=split, num_warps=nw, num_stages=stages,
-                                       paired=paired, **({"scale_w": True} if sw else {}))
+                        if not paired and (stages != 4 or bn != 64 or nw != warps[0]):
+                            continue
+                        yield dict(block_n=bn, block_m=bm, split_k=split, num_warps=nw, num_stages=stages,
+                                   paired=paired)
 
 
 def decode_rows(args) -> None:
@@ -173,8 +172,6 @@ def main() -> None:
     ap.add_argument("--warps", default="4", help="comma list of num_warps to sweep (not with --wide)")
     ap.add_argument("--splits", default="1,2,4,8,16", help="comma list of split_k values to sweep")
     ap.add_argument("--stages", default="3,4", help="comma list of num_stages to sweep")
-    ap.add_argument("--scale-w", action="store_true",
-                    help="also sweep each paired config with the scales multiplied into the weight (SCALE_W)")
     ap.add_argument("--wide", action="store_true", help="sweep wider tiles and 8 warps (paired only)")
     ap.add_argument("--decode", action="store_true",
                     help="only M = 1, 2: the plain-order GEMV against the k-sliced GEMV and MMA kernel")
@@ -224,8 +221,7 @@ def main() -> None:
             rule_us = time_graph_and_eager(rule_fn, 5, args.rep_ms)[0] / len(rules)
             best = None
             for cfg in configs(m, args.wide, tuple(map(int, args.warps.split(","))),
-                               tuple(map(int, args.splits.split(","))), (False, True) if args.scale_w else (False,),
-                               tuple(map(int, args.stages.split(",")))):
+                               tuple(map(int, args.splits.split(","))), tuple(map(int, args.stages.split(",")))):
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 fn = lambda: w4a16_mma(x, qs, int4.scales, int4.zeros, args.group, out, tile_n=args.tile_n, **cfg)
                 try:

@@ -23,7 +23,6 @@ class GemmConfig:
     num_stages: int
     path: str = "fused"  # W4A16: "gemv" | "gemv_kblock" | "fused" | "dequant" (dequantize + cuBLAS); FP8: "fused" | "weight_only"
     k_chunks: int = 1  # "gemv_kblock" (W4A16 and FP8): 128-channel chunks / blocks a program loads per step
-    scale_w: bool = False  # W4A16 "fused" on the k-sliced order: scales multiplied into the weight (w4a16_mma)
 
 
 DECODE_MAX_M = 64

@@ -202,8 +202,7 @@ def w4a16_linear(x: torch.Tensor, w: W4A16Weights, config: GemmConfig | None = N
         return out.reshape(*x.shape[:-1], n)
     if w.sliced:
         w4a16_mma(x2, w.qweight, w.scales, w.zeros, w.group_size, out, cfg.block_n, cfg.block_m,
-                  cfg.split_k, cfg.num_warps, cfg.num_stages, perm=w.perm, counters=w.splitk_counters,
-                  scale_w=cfg.scale_w)
+                  cfg.split_k, cfg.num_warps, cfg.num_stages, perm=w.perm, counters=w.splitk_counters)
         return out.reshape(*x.shape[:-1], n)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     split = min(cfg.split_k, k // w.group_size)

@@ -20,11 +20,7 @@ MAGIC2 holds slice j in the low half and slice j + 4 in the high half of one reg
 packed sub.bf16x2 (sub.f16x2) takes the zero points of both halves' groups
 (`tl.inline_asm_elementwise`; not under TRITON_INTERPRET, where the same arithmetic runs unpacked).
 The dot accumulates sum_k (q - z) x in fp32 per group; the scale multiplies it once per group and
-output row. SCALE_W instead multiplies the scale into the weight, two codes per packed mul.bf16x2
-(mul.f16x2): W = (q - z) * s rounded to x's dtype, the weight the dequantizing paths (int4_dequant,
-w4a16 "dequant") give cuBLAS, and every dot then chains on one accumulator across chunks, so the
-MMA is never waited on inside the loop (the per-group form waits for each chunk's dot before
-scaling it; with wgmma that serialises the MMA and the next chunk's dequantization).
+output row.
 Tiles: acc[n, m] (the weight is the MMA's wide operand: out^T = W x^T), BLOCK_N weight rows by
 BLOCK_M tokens, split-K over chunks through splitk.store_tile.
 PREFETCH: chunk c + 1's zeros and scales are loaded during chunk c (w4a16_mma picks it; see there).
@@ -74,32 +70,6 @@ def _pair(qw, zz, SHIFT: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr
 
 
 @triton.jit
-def _pair_scaled(qw, zz, sp, SHIFT: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr, dtype: tl.constexpr):
-    """_pair's (q - z) of slices j and j + 4 times their groups' scales, rounded to `dtype` once.
-
-    sp int32 [BN, 16]: the 16-bit float bit patterns of slice j's scale (low half) and slice j + 4's
-    (high half), packed as zz packs the zero points. 16-bit activations only (MAGIC 0x4300 / 0x6400)."""
-    tl.static_assert(MAGIC != 0, "SCALE_W needs bf16 or fp16 activations")
-    t = qw >> SHIFT
-    if PAIRED:
-        if MAGIC == 0x4300:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; sub.rn.bf16x2 t, t, $3; "
-                "mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
-                "=h,=h,r,r,r", [t, zz, sp], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
-        else:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; sub.rn.f16x2 t, t, $3; "
-                "mul.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
-                "=h,=h,r,r,r", [t, zz, sp], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
-        return lo.to(dtype, bitcast=True), hi.to(dtype, bitcast=True)
-    w_lo, w_hi = _pair(qw, zz, SHIFT, MAGIC, False, dtype)
-    s_lo = (sp & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
-    s_hi = ((sp >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
-    return w_lo * s_lo, w_hi * s_hi
-
-
-@triton.jit
 def _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0, HAS_PERM: tl.constexpr):
     """x[:, k0 : k0 + 16]^T -> [16, BM] (through perm under act-order)."""
     k_idx = k0 + tl.arange(0, 16)
@@ -123,39 +93,11 @@ def _scale(s_ptr, g, stride_sg, row_off, n_mask):
 
 
 @triton.jit
-def _scale_pair(s_ptr, g_lo, g_hi, stride_sg, row_off, n_mask):
-    """int32 [BN]: the 16-bit scale of group g_lo in the low half, of g_hi in the high half (bit patterns)."""
-    s_lo = tl.load(s_ptr + g_lo * stride_sg + row_off, mask=n_mask, other=0.0).to(tl.int16, bitcast=True)
-    s_hi = tl.load(s_ptr + g_hi * stride_sg + row_off, mask=n_mask, other=0.0).to(tl.int16, bitcast=True)
-    return (s_lo.to(tl.int32) & 0xFFFF) | (s_hi.to(tl.int32) << 16)
-
-
-@triton.jit
-def chunk_params(z_ptr, s_ptr, c, stride_zg, stride_sg, row_off, n_mask, GROUP: tl.constexpr, MAGIC: tl.constexpr,
-                 SCALE_W: tl.constexpr = False):
+def chunk_params(z_ptr, s_ptr, c, stride_zg, stride_sg, row_off, n_mask, GROUP: tl.constexpr, MAGIC: tl.constexpr):
     """Chunk c's zero pairs [BN] (zz0 for slices 0, 1 (+4), zz1 for 2, 3 (+4)) and scales s0..s3 [BN, 1]
     (zeros at z_ptr + g * stride_zg + row_off, scales likewise).
-    G 128: one group (s0); G 64: halves 2c, 2c + 1 (s0, s1); G 32: groups 4c..4c + 3 (s0..s3).
-    SCALE_W: s0, s1 are the scale pairs [BN] packed as zz0, zz1 (_scale_pair); s2, s3 repeat them."""
-    if SCALE_W:
-        if GROUP == 128:
-            zz0 = _zero_pair(z_ptr, c, c, stride_zg, row_off, n_mask, MAGIC)
-            zz1 = zz0
-            s0 = _scale_pair(s_ptr, c, c, stride_sg, row_off, n_mask)
-            s1 = s0
-        elif GROUP == 64:
-            zz0 = _zero_pair(z_ptr, 2 * c, 2 * c + 1, stride_zg, row_off, n_mask, MAGIC)
-            zz1 = zz0
-            s0 = _scale_pair(s_ptr, 2 * c, 2 * c + 1, stride_sg, row_off, n_mask)
-            s1 = s0
-        else:
-            zz0 = _zero_pair(z_ptr, 4 * c, 4 * c + 2, stride_zg, row_off, n_mask, MAGIC)
-            zz1 = _zero_pair(z_ptr, 4 * c + 1, 4 * c + 3, stride_zg, row_off, n_mask, MAGIC)
-            s0 = _scale_pair(s_ptr, 4 * c, 4 * c + 2, stride_sg, row_off, n_mask)
-            s1 = _scale_pair(s_ptr, 4 * c + 1, 4 * c + 3, stride_sg, row_off, n_mask)
-        s2 = s0
-        s3 = s1
-    elif GROUP == 128:
+    G 128: one group (s0); G 64: halves 2c, 2c + 1 (s0, s1); G 32: groups 4c..4c + 3 (s0..s3)."""
+    if GROUP == 128:
         zz0 = _zero_pair(z_ptr, c, c, stride_zg, row_off, n_mask, MAGIC)
         zz1 = zz0
         s0 = _scale(s_ptr, c, stride_sg, row_off, n_mask)
@@ -182,62 +124,41 @@ def chunk_params(z_ptr, s_ptr, c, stride_zg, stride_sg, row_off, n_mask, GROUP: 
 @triton.jit
 def chunk_dot(acc, qw, zz0, zz1, s0, s1, s2, s3, x_lo_0, x_hi_0, x_lo_1, x_hi_1, x_lo_2, x_hi_2, x_lo_3, x_hi_3,
               GROUP: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr, dtype: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SCALE_W: tl.constexpr = False):
+              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """acc [BN, BM] += one 128-channel chunk: words qw [BN, 16] (slice j = nibble plane j) times the
-    x^T slices [16, BM] of channels 16j (x_lo_j) and 64 + 16j (x_hi_j); zz / s from chunk_params
-    (with the same SCALE_W)."""
-    if SCALE_W:  # scaled weights: every dot chains on acc
-        for j in tl.static_range(4):
-            if j < 2:
-                zz = tl.broadcast_to(zz0[:, None], (BLOCK_N, 16))
-                sp = tl.broadcast_to(s0[:, None], (BLOCK_N, 16))
-            else:
-                zz = tl.broadcast_to(zz1[:, None], (BLOCK_N, 16))
-                sp = tl.broadcast_to(s1[:, None], (BLOCK_N, 16))
-            w_lo, w_hi = _pair_scaled(qw, zz, sp, 4 * j, MAGIC, PAIRED, dtype)  # [BN, 16] each
-            if j == 0:
-                x_lo, x_hi = x_lo_0, x_hi_0
-            elif j == 1:
-                x_lo, x_hi = x_lo_1, x_hi_1
-            elif j == 2:
-                x_lo, x_hi = x_lo_2, x_hi_2
-            else:
-                x_lo, x_hi = x_lo_3, x_hi_3
-            acc = tl.dot(w_lo, x_lo, acc)
-            acc = tl.dot(w_hi, x_hi, acc)
-    else:
-        d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # slices j
-        d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # slices j + 4
-        for j in tl.static_range(4):
-            if j < 2:
-                zz = tl.broadcast_to(zz0[:, None], (BLOCK_N, 16))
-            else:
-                zz = tl.broadcast_to(zz1[:, None], (BLOCK_N, 16))
-            w_lo, w_hi = _pair(qw, zz, 4 * j, MAGIC, PAIRED, dtype)  # [BN, 16] each
-            if j == 0:
-                x_lo, x_hi = x_lo_0, x_hi_0
-            elif j == 1:
-                x_lo, x_hi = x_lo_1, x_hi_1
-            elif j == 2:
-                x_lo, x_hi = x_lo_2, x_hi_2
-            else:
-                x_lo, x_hi = x_lo_3, x_hi_3
-            if GROUP == 128:  # one chain: the whole chunk is one group
-                d_lo = tl.dot(w_lo, x_lo, d_lo)
-                d_lo = tl.dot(w_hi, x_hi, d_lo)
-            else:
-                d_lo = tl.dot(w_lo, x_lo, d_lo)
-                d_hi = tl.dot(w_hi, x_hi, d_hi)
-            if GROUP == 32 and j == 1:  # groups 4c (slices 0, 1) and 4c + 2 (slices 4, 5)
-                acc += s0 * d_lo + s2 * d_hi
-                d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        if GROUP == 128:
-            acc += s0 * d_lo
-        elif GROUP == 64:  # halves 2c, 2c + 1
-            acc += s0 * d_lo + s1 * d_hi
-        else:  # groups 4c + 1 and 4c + 3
-            acc += s1 * d_lo + s3 * d_hi
+    x^T slices [16, BM] of channels 16j (x_lo_j) and 64 + 16j (x_hi_j); zz / s from chunk_params."""
+    d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # slices j
+    d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # slices j + 4
+    for j in tl.static_range(4):
+        if j < 2:
+            zz = tl.broadcast_to(zz0[:, None], (BLOCK_N, 16))
+        else:
+            zz = tl.broadcast_to(zz1[:, None], (BLOCK_N, 16))
+        w_lo, w_hi = _pair(qw, zz, 4 * j, MAGIC, PAIRED, dtype)  # [BN, 16] each
+        if j == 0:
+            x_lo, x_hi = x_lo_0, x_hi_0
+        elif j == 1:
+            x_lo, x_hi = x_lo_1, x_hi_1
+        elif j == 2:
+            x_lo, x_hi = x_lo_2, x_hi_2
+        else:
+            x_lo, x_hi = x_lo_3, x_hi_3
+        if GROUP == 128:  # one chain: the whole chunk is one group
+            d_lo = tl.dot(w_lo, x_lo, d_lo)
+            d_lo = tl.dot(w_hi, x_hi, d_lo)
+        else:
+            d_lo = tl.dot(w_lo, x_lo, d_lo)
+            d_hi = tl.dot(w_hi, x_hi, d_hi)
+        if GROUP == 32 and j == 1:  # groups 4c (slices 0, 1) and 4c + 2 (slices 4, 5)
+            acc += s0 * d_lo + s2 * d_hi
+            d_lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            d_hi = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if GROUP == 128:
+        acc += s0 * d_lo
+    elif GROUP == 64:  # halves 2c, 2c + 1
+        acc += s0 * d_lo + s1 * d_hi
+    else:  # groups 4c + 1 and 4c + 3
+        acc += s1 * d_lo + s3 * d_hi
     return acc
 
 
@@ -247,7 +168,7 @@ def _w4a16_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, 
                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                       HAS_PERM: tl.constexpr, MAGIC: tl.constexpr,
                       PAIRED: tl.constexpr, SWIZZLE: tl.constexpr, TILE_N: tl.constexpr = 0,
-                      PREFETCH: tl.constexpr = True, PDL: tl.constexpr = False, SCALE_W: tl.constexpr = False):
+                      PREFETCH: tl.constexpr = True, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -264,7 +185,7 @@ def _w4a16_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, 
     # PREFETCH: zeros and scales run one chunk ahead (plain loads; the pipeliner only prefetches the
     # dot's operands), so their latency hides behind a whole chunk's work
     zz0, zz1, s0, s1, s2, s3 = chunk_params(z_ptr, s_ptr, tl.minimum(c_lo, num_chunks - 1), stride_zg, stride_sg,
-                                            offs_n, n_mask, GROUP, MAGIC, SCALE_W)
+                                            offs_n, n_mask, GROUP, MAGIC)
     for c in range(c_lo, c_hi):
         if TILE_N > 0:  # tile-major: the TILE_N x 16 words of (row tile, chunk c) are contiguous
             qw = tl.load(qw_ptr + (offs_n // TILE_N * (num_chunks * TILE_N * 16) + offs_n % TILE_N * 16)[:, None]
@@ -274,10 +195,10 @@ def _w4a16_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, 
                          mask=n_mask[:, None], other=0)  # [BN, 16] int32
         if PREFETCH:
             nz0, nz1, t0, t1, t2, t3 = chunk_params(z_ptr, s_ptr, tl.minimum(c + 1, c_hi - 1), stride_zg,
-                                                    stride_sg, offs_n, n_mask, GROUP, MAGIC, SCALE_W)
+                                                    stride_sg, offs_n, n_mask, GROUP, MAGIC)
         else:  # this chunk's, loaded now
             zz0, zz1, s0, s1, s2, s3 = chunk_params(z_ptr, s_ptr, c, stride_zg, stride_sg, offs_n, n_mask,
-                                                    GROUP, MAGIC, SCALE_W)
+                                                    GROUP, MAGIC)
             nz0, nz1, t0, t1, t2, t3 = zz0, zz1, s0, s1, s2, s3
         k0 = c * 128
         acc = chunk_dot(acc, qw, zz0, zz1, s0, s1, s2, s3,
@@ -289,7 +210,7 @@ def _w4a16_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, 
                         _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 96, HAS_PERM),
                         _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 48, HAS_PERM),
                         _x_slice(x_ptr, perm_ptr, offs_m, m_mask, stride_xm, k0 + 112, HAS_PERM),
-                        GROUP, MAGIC, PAIRED, dtype, BLOCK_N, BLOCK_M, SCALE_W)
+                        GROUP, MAGIC, PAIRED, dtype, BLOCK_N, BLOCK_M)
         zz0, zz1, s0, s1, s2, s3 = nz0, nz1, t0, t1, t2, t3
     store_tile(acc, out_ptr, part_ptr, counters_ptr, offs_n, offs_m, M, N, stride_om, pid, pid_k, split_k)
 
@@ -304,9 +225,8 @@ def w4a16_mma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
               group_size: int, out: torch.Tensor, block_n: int, block_m: int, split_k: int,
               num_warps: int = 4, num_stages: int = 4, perm: torch.Tensor | None = None,
               counters: torch.Tensor | None = None, paired: bool | None = None, tile_n: int = 0,
-              prefetch: bool | None = None, scale_w: bool = False) -> torch.Tensor:
-    """out [M, N] = x2 [M, K] @ dequant(W)^T with W's codes in the k-sliced order (module doc);
-    scale_w: the scales multiplied into the weight (SCALE_W) instead of into each group's dot."""
+              prefetch: bool | None = None) -> torch.Tensor:
+    """out [M, N] = x2 [M, K] @ dequant(W)^T with W's codes in the k-sliced order (module doc)."""
     m, k = x2.shape
     n = qweight.shape[0] if not tile_n else qweight.numel() * 8 // k
     if group_size not in (32, 64, 128) or k % 128:
@@ -327,5 +247,5 @@ def w4a16_mma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         m, n, chunks, x2.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         split, GROUP=group_size, BLOCK_N=block_n, BLOCK_M=block_m, HAS_PERM=perm is not None,
         MAGIC=magic, PAIRED=paired_default() if paired is None else paired, SWIZZLE=8, TILE_N=tile_n, PREFETCH=prefetch,
-        SCALE_W=scale_w, num_warps=num_warps, num_stages=num_stages, **pdl.launch(x2.device))
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(x2.device))
     return out
