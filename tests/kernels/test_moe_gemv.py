@@ -37,9 +37,11 @@ def test_moe_gemv_projection_matches_dense(group, block_n, warps, device):
 
 @pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128"])
 @pytest.mark.parametrize("t,k", [(1, 6), (4, 4), (2, 3)])
-def test_fused_moe_gemv_path_matches_reference_and_grouped(fmt, t, k, device):
-    """fused_moe at decode sizes (<= 16 pairs: the per-pair GEMVs) equals the float64 expert loop
-    and the grouped-GEMM path."""
+def test_fused_moe_gemv_path_matches_reference_and_grouped(fmt, t, k, device, monkeypatch):
+    """fused_moe at decode sizes (<= 16 pairs) on the per-pair GEMVs (MOE_PAIR_MMA off, as
+    DSQUANT_MOE_PAIR_MMA=0 runs it) equals the float64 expert loop and the grouped-GEMM path."""
+    from dsquant.runtime.kernels.moe import fused_moe as fm
+    monkeypatch.setattr(fm, "MOE_PAIR_MMA", False)
     assert t * k <= MOE_GEMV_MAX_PAIRS  # these take the GEMV path
     weights, d13, d2 = make_experts(fmt, 8, 256, 128, torch.float16, device, seed=t * 10 + k)
     hidden = hidden_states(t, 256, torch.float16, device, seed=k)

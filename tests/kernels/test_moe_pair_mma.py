@@ -94,8 +94,8 @@ def test_pair_mma_rejects_bad_arguments(device):
 
 @pytest.mark.parametrize("t,k", [(1, 6), (2, 3)])
 def test_fused_moe_takes_pair_mma_when_switched_on(t, k, device, monkeypatch):
-    """fused_moe's decode path with MOE_PAIR_MMA on equals the float64 expert loop, and really ran
-    the pair MMA (not the GEMV)."""
+    """fused_moe's decode path with MOE_PAIR_MMA on (the default) equals the float64 expert loop, and
+    really ran the pair MMA (not the GEMV)."""
     monkeypatch.setattr(fm, "MOE_PAIR_MMA", True)
     calls = []
     monkeypatch.setattr(fm, "moe_pair_mma_int4", lambda *a, **kw: calls.append(kw) or moe_pair_mma_int4(*a, **kw))

@@ -18,8 +18,8 @@ Block sizes are picked by a heuristic from the pairs per expert (never tuned at 
 INT4 experts with at most MOE_GEMV_MAX_PAIRS (token, expert) pairs (decode) skip the alignment and
 run moe_gemv's per-pair GEMVs (split-K by moe_gemv.default_split_k, counters reserved here at load)
 instead of the grouped MMA GEMMs. FP8 experts always take the grouped GEMMs (see _expert_gemvs).
-With MOE_PAIR_MMA (DSQUANT_MOE_PAIR_MMA=1; off until timed end to end) those pairs run on the tensor
-cores with split-K instead (moe_pair_mma.py), at PAIR_MMA_CONFIGS: 27-29% faster per projection.
+With MOE_PAIR_MMA (on; DSQUANT_MOE_PAIR_MMA=0 turns it off) those pairs run on the tensor cores
+with split-K instead (moe_pair_mma.py), at PAIR_MMA_CONFIGS: 27-29% faster per projection.
 Up to ONE_BLOCK_PER_PAIR_MAX_TOKENS tokens on the grouped GEMMs run one block per pair, without the
 align launch (moe_align.one_block_per_pair); up to FP8_FUSE_QUANT_MAX_TOKENS, fp8 experts quantize
 the activations inside the GEMMs (off: it lost on the GPU, see below).
@@ -215,9 +215,10 @@ def _dequantize_first(weights: MoeWeights, pairs: int, elem_bytes: int) -> bool:
 # GEMVs: (block_n, num_warps, split_k or None for the GEMV's rule) for gate/up and for down.
 # H100, V2-Lite layer at one token, 8 layers' weights cycled, graph replays (`MOEGEMV_ARGS="--tokens 1
 # --kernels gemv,pair --gemv-default" bash scripts/gpu.sh moegemv`, 2026-12-06): gate/up 13.68 us at
-# (64, 2 warps, split 4) against the GEMV's 18.72; down 8.73 against 12.24. Off until the engine A/B
-# and the trained-model GPU test with it on have run (no device time was left): DSQUANT_MOE_PAIR_MMA=1.
-MOE_PAIR_MMA = os.environ.get("DSQUANT_MOE_PAIR_MMA", "0") == "1"
+# (64, 2 warps, split 4) against the GEMV's 18.72; down 8.73 against 12.24. End to end (same day, H100,
+# `bench engine --schemes int4`, batch 1): 588.4 tok/s against the GEMVs' 543.4 (1.699 against 1.840 ms a
+# token); the trained-model GPU test and the demo's table unchanged with it on. DSQUANT_MOE_PAIR_MMA=0: the GEMVs.
+MOE_PAIR_MMA = os.environ.get("DSQUANT_MOE_PAIR_MMA", "1") == "1"
 PAIR_MMA_CONFIGS = ((64, 2, 4), (64, 2, 4))
 # FP8 experts' decode pairs the same way (moe_pair_mma_fp8) instead of the grouped GEMMs on one block
 # per pair: off, it lost (same H100 probe, `bash scripts/gpu.sh moepf8`: best gate/up 21.28 us against the
