@@ -18,8 +18,8 @@ Block sizes are picked by a heuristic from the pairs per expert (never tuned at 
 INT4 experts with at most MOE_GEMV_MAX_PAIRS (token, expert) pairs (decode) skip the alignment and
 run moe_gemv's per-pair GEMVs (split-K by moe_gemv.default_split_k, counters reserved here at load)
 instead of the grouped MMA GEMMs. FP8 experts always take the grouped GEMMs (see _expert_gemvs).
-With MOE_PAIR_MMA (on; DSQUANT_MOE_PAIR_MMA=0 turns it off) those pairs run on the tensor cores
-with split-K instead (moe_pair_mma.py), at PAIR_MMA_CONFIGS: 27-29% faster per projection.
+With MOE_PAIR_MMA (on; DSQUANT_MOE_PAIR_MMA=0 turns it off) 16-bit activations' pairs run on the
+tensor cores with split-K instead (moe_pair_mma.py), at PAIR_MMA_CONFIGS: 27-29% faster per projection.
 Up to ONE_BLOCK_PER_PAIR_MAX_TOKENS tokens on the grouped GEMMs run one block per pair, without the
 align launch (moe_align.one_block_per_pair); up to FP8_FUSE_QUANT_MAX_TOKENS, fp8 experts quantize
 the activations inside the GEMMs (off: it lost on the GPU, see below).
@@ -245,7 +245,7 @@ def _expert_gemvs(hidden, weights: MoeWeights, ids, act, out) -> None:
     grouped GEMMs: its per-pair GEMV (moe_gemv_fp8) measured 32.5 | 17.6 us at T = 1 against the
     grouped kernel's 15.4 | 9.6 plus a 5.2 us align."""
     top_k = ids.shape[1]
-    if MOE_PAIR_MMA:
+    if MOE_PAIR_MMA and hidden.dtype in (torch.bfloat16, torch.float16):  # fp32 (CPU kernel path): the GEMVs
         (bn13, w13, s13), (bn2, w2, s2) = PAIR_MMA_CONFIGS
         moe_pair_mma_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=bn13,
                           num_warps=w13, split_k=s13)
