@@ -9,8 +9,8 @@ loads are not vectorized and the SASS is not the one the GPU runs. Used by scrip
 Presets: moe_gemv (moe_gemv._moe_gemv_kernel, gated, G 128), moe_gemv_down (routed, not gated),
 moe_pair_mma, moe_pair_mma_down (moe_pair_mma._moe_pair_mma_kernel, likewise, BLOCK_N 64, 4 warps),
 moe_pair_fp8 (moe_pair_mma._moe_pair_fp8_kernel, gated),
-w4a16_gemv_sliced, w4a16_gemv_kblock, w4a16_mma (BLOCK_N 64, BLOCK_M 16, 2 warps), fp8_gemv (A_MODE 0), fp8_gemv_kblock, rms_norm, router_logits,
-mla_prepare, mla_merge_uv.
+w4a16_gemv_sliced, w4a16_gemv_kblock, w4a16_mma (BLOCK_N 64, BLOCK_M 16, 2 warps), fp8_gemv (A_MODE 0),
+fp8_gemv_kblock, rms_norm, router_logits, mla_prepare, mla_merge_uv.
 """
 from __future__ import annotations
 
