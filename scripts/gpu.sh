@@ -5,9 +5,10 @@
 # client) and, for `old`, .old (see below).
 # Usage: [ENV=...] scripts/gpu.sh STEP...
 #   tests:      new (the -m gpu tests of $TESTS), old (the same on the dsquant files kept under .old/,
-#               swapped in and back), gputests (every -m gpu test; too many for one
-#               10-minute run: gpukernels + gpurest + trained split it), restests (tests/kernels and
-#               tests/runtime without -m gpu, at full size), trained (the trained-model GPU accuracy test)
+#               swapped in and back), swap (exchange them for the steps that follow; swap again to go back),
+#               gputests (every -m gpu test; too many for one 10-minute run: gpukernels + gpurest + trained split it),
+#               restests (tests/kernels and tests/runtime without -m gpu, at full size), trained (the trained-model
+#               GPU accuracy test)
 #   main job:   demo (dsquant demo --device cuda, then a CPU validate of the same artifacts)
 #   kernels:    gemm, mmaprobe (scripts/w4a16_mma_probe.py), gemmsweep, gemmbench (with gemmsweep's configs), minibench, gemv, moe,
 #               moegemv (scripts/moe_gemv_probe.py: the INT4 MoE GEMV with and without its dequantization;
@@ -66,6 +67,7 @@ for step in "$@"; do
   case $step in
     new) timeout "${TEST_S:-200}" python3 -m pytest -q -m gpu $XD -p no:cacheprovider ${TESTS:-tests/kernels} \
            --timeout 180 -rf -s 2>&1 | tail -${TAIL:-80} > "$OUT/tests-new.txt" ;;
+    swap) swap ;;  # the tree's dsquant files and those under .old/ exchanged: the steps after it run the other version
     old) swap; timeout "${TEST_S:-200}" python3 -m pytest -q -m gpu $XD -p no:cacheprovider ${TESTS:-tests/kernels} \
            --timeout 180 -rf 2>&1 | tail -${TAIL:-60} > "$OUT/tests-old.txt"; swap ;;
     gputests) timeout "${GPU_TESTS_S:-300}" python3 -m pytest -q -m gpu $XD -p no:cacheprovider tests/ \

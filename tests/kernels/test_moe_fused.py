@@ -337,3 +337,20 @@ def test_int4_repack_keeps_every_weight(group, device):
     assert torch.equal(expected.double(), dense)  # the codec and moe_cases' reference agree
     with pytest.raises(ValueError, match="in_features % 128"):
         int4_experts_from_awq(*awq_stack(*int4_codes(w[:, :, :192], 64), torch.float16), 64)
+
+
+def test_int4_paired_order_nibbles():
+    """The kernels' paired order, word by word: nibble j of word i of row r in tile t holds
+    W[r, 128t + 32 (j % 4) + 2i + j // 4], so nibbles j and j + 4 are neighbouring channels."""
+    e, n, k = 2, 32, 256
+    codes = torch.randint(0, 16, (e, n, k), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    s = torch.ones(e, n, k // 128)
+    z = torch.full((e, n, k // 128), 8, dtype=torch.int32)
+    words = int4_experts_from_awq(*awq_stack(codes, s, z, torch.float16), 128).weight  # [E, N/16, K/128, 16, 16]
+    t, c = torch.arange(k) // 128, torch.arange(k) % 128
+    j = (c // 32) + 4 * (c % 2)  # nibble
+    i = (c % 32) // 2  # word
+    for ex in range(e):
+        for r in range(n):
+            got = (words[ex, r // 16, t, r % 16, i] >> (4 * j)) & 0xF  # [K]
+            assert torch.equal(got, codes[ex, r]), (ex, r)

@@ -4,8 +4,11 @@ AWQ per expert (stacked over E): qweight int32 [E, K, N/8] (8 nibbles along N in
 0,2,4,6,1,3,5,7), qzeros int32 [E, K/G, N/8] (same order), scales [E, K/G, N]; W^T = (q - z) * s.
 Kernel layout (moe_gemm "int4"): qweight int32 [E, N/16, K/128, 16, 16], tiled: 16 output rows x
 128 input channels are one contiguous 1 KiB block, and nibble j of word i of a row holds channel
-16j + i of the tile, so nibble plane j is 16 consecutive channels (a contiguous slice of the
-activations, one MMA k-step); zeros uint8 [E, K/G, N]; scales [E, K/G, N] unchanged.
+32 (j % 4) + 2i + j // 4 of the tile (the "paired" order, `PAIRED_ORDER`): nibbles j and j + 4 of a
+word are neighbouring channels, so one lop3 that takes both into the halves of a register gives the
+bf16x2 an MMA operand register holds, and nibble planes j and j + 4 together are 32 consecutive
+channels (one K = 32 MMA step on a contiguous slice of the activations); zeros uint8 [E, K/G, N];
+scales [E, K/G, N] unchanged.
 Needs N % 16 == 0 and K % 128 == 0 (true of DeepSeek V2/V3 expert shapes).
 """
 from __future__ import annotations
@@ -37,8 +40,8 @@ def int4_experts_from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
     if n % 16 or k % 128:
         raise ValueError(f"int4 experts need out_features % 16 == 0 and in_features % 128 == 0, got N={n}, K={k}")
     codes = unpack_awq(qweight).transpose(1, 2)  # [E, N, K]
-    planes = codes.reshape(e, n // 16, 16, k // 128, 8, 16)  # [e, chunk, r, tile, j, i]
-    planes = planes.permute(4, 0, 1, 3, 2, 5).reshape(8, -1)  # [j, words]
+    planes = codes.reshape(e, n // 16, 16, k // 128, 4, 16, 2)  # [e, chunk, r, tile, j % 4, i, j // 4]
+    planes = planes.permute(6, 4, 0, 1, 3, 2, 5).reshape(8, -1)  # [j, words]
     packed = pack_gptq_qweight(planes).reshape(e, n // 16, k // 128, 16, 16)  # nibble j = plane j
     zeros = unpack_awq(qzeros).to(torch.uint8).contiguous()  # [E, K/G, N]
     return GroupedWeight("int4", packed.contiguous(), scales.contiguous(), zeros, group_size, n=n, k=k)
@@ -49,7 +52,8 @@ def dequantize_int4_experts(w: GroupedWeight) -> torch.Tensor:
     e, n, k = w.num_experts, w.n, w.k
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.weight.device)
     q = (w.weight.unsqueeze(-1) >> shifts) & 0xF  # [e, chunk, tile, r, i, j]
-    q = q.permute(0, 1, 3, 2, 5, 4).reshape(e, n, k)  # [e, (chunk, r), (tile, j, i)]
+    q = q.reshape(e, n // 16, k // 128, 16, 16, 2, 4)  # [e, chunk, tile, r, i, j // 4, j % 4]
+    q = q.permute(0, 1, 3, 2, 6, 4, 5).reshape(e, n, k)  # [e, (chunk, r), (tile, j % 4, i, j // 4)]
     g = torch.arange(k, device=q.device) // w.group_size  # [K]
     z = w.zeros.to(torch.int32).transpose(1, 2)[:, :, g]  # [E, N, K]
     s = w.scales.float().transpose(1, 2)[:, :, g]

@@ -8,12 +8,12 @@ under a millisecond on an H200) and running the bf16 grouped GEMM costs less; fu
 
 Layouts
 - in: GroupedWeight("int4") (moe_gemm.py): qweight int32 [E, N/16, K/128, 16, 16], word i of row r in
-  chunk c, tile t holds in nibble j the code of W[16c + r, 128t + 16j + i]; scales [E, K/G, N] in
-  the activation dtype; zeros uint8 [E, K/G, N].
+  chunk c, tile t holds in nibble j the code of W[16c + r, 128t + 32 (j % 4) + 2i + j // 4] (the paired
+  order of fused_moe_int4); scales [E, K/G, N] in the activation dtype; zeros uint8 [E, K/G, N].
 - out: [E, N, K] in the activation dtype, W[n, k] = (q - z[k // G, n]) * s[k // G, n], computed in fp32
   and rounded once.
 Program (expert, block of ROWS rows, 128-column tile) reads the tile's words once and writes its
-eight nibble planes.
+nibble planes j and j + 4 together, 32 consecutive columns.
 """
 from __future__ import annotations
 
@@ -34,14 +34,17 @@ def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, num_tiles, stride_s
     i = tl.arange(0, 16)
     words = ((e * (N // 16) + rows // 16).to(tl.int64) * num_tiles + t) * 256 + (rows % 16) * 16  # [ROWS]
     packed = tl.load(w_ptr + words[:, None] + i[None, :], mask=rmask[:, None], other=0)  # [ROWS, 16] int32
-    for j in tl.static_range(8):
-        k0 = t * 128 + 16 * j
+    for j in tl.static_range(4):
+        k0 = t * 128 + 32 * j  # planes j (even columns) and j + 4 (odd columns)
         g = k0 // GROUP
         s = tl.load(s_ptr + e * stride_se + g * stride_sg + rows, mask=rmask, other=0.0).to(tl.float32)  # [ROWS]
         z = tl.load(z_ptr + e * stride_se + g * stride_sg + rows, mask=rmask, other=0).to(tl.float32)
-        q = ((packed >> (4 * j)) & 0xF).to(tl.float32)  # [ROWS, 16]
+        q_even = ((packed >> (4 * j)) & 0xF).to(tl.float32)  # [ROWS, 16]
+        q_odd = ((packed >> (4 * j + 16)) & 0xF).to(tl.float32)
+        q = tl.reshape(tl.join(q_even, q_odd), (ROWS, 32))  # column 2i + h: channel k0 + 2i + h
         w = (q - z[:, None]) * s[:, None]
-        tl.store(out_ptr + e * stride_oe + rows[:, None].to(tl.int64) * stride_on + (k0 + i)[None, :],
+        cols = k0 + tl.arange(0, 32)
+        tl.store(out_ptr + e * stride_oe + rows[:, None].to(tl.int64) * stride_on + cols[None, :],
                  w.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 

@@ -8,11 +8,11 @@ with the epilogues of moe_gemm: gated (w13 = gate rows [0, N) then up rows [N, 2
 silu(gate) * up, rounded as activation.silu_mul_as_reference) or routed (out [P, N] = acc *
 topk_weights.flat[p]). Rows of `a` are bf16/fp16 with unit column stride; out [P, N] in a's dtype.
 Weights: moe_gemm's "int4" layout (fused_moe_int4.py): qweight int32 [E, N/16, K/128, 16, 16],
-where word i of row r in 128-channel tile t holds, in nibble j, channel 128t + 16j + i; scales
-[E, K/G, N] (activation dtype), zeros uint8 [E, K/G, N].
-Per tile, nibble plane j is a [BLOCK_N, 16] block whose columns are 16 consecutive channels, so
-each thread multiplies the words it holds by a contiguous slice of a, in fp32 FMAs, and keeps a
-[BLOCK_N, 16] running sum (one cross-thread reduction at the end). Codes become 128 + q by placing
+where word i of row r in 128-channel tile t holds, in nibble j, channel 128t + 32 (j % 4) + 2i + j // 4
+(the paired order); scales [E, K/G, N] (activation dtype), zeros uint8 [E, K/G, N].
+Per tile, nibble plane j is a [BLOCK_N, 16] block whose columns are every other channel of a
+32-channel slice, so each thread multiplies the words it holds by a stride-2 slice of a, in fp32
+FMAs, and keeps a [BLOCK_N, 16] running sum (one cross-thread reduction at the end). Codes become 128 + q by placing
 them at bits 16..19 of fp32 128.0 (0x43000000, unit in the last place 2^-16); per group
     sum (q - z) s a = s * (sum (128 + q) a - (128 + z) * sum a).
 Split-K: at decode the (pair, n-block) programs alone fill the GPU a fraction of the way and each
@@ -144,18 +144,20 @@ def pair_epilogue(y, y_up, out_ptr, part_ptr, counters_ptr, topk_w_ptr, pair, pi
 @triton.jit
 def _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1,
               GROUP: tl.constexpr, ASM: tl.constexpr = False):
-    """acc [BN, 16] += scaled partial sums of one 128-channel tile (packed [BN, 16] words)."""
-    PLANES: tl.constexpr = GROUP // 16  # nibble planes per quantization group
+    """acc [BN, 16] += scaled partial sums of one 128-channel tile (packed [BN, 16] words, paired
+    order: nibble plane j is channels 32 (j % 4) + j // 4 + 2i, i = 0..15)."""
+    SLICES: tl.constexpr = GROUP // 32  # 32-channel slices (nibble planes j and j + 4) per group
     i = tl.arange(0, 16)
     high = packed >> 16  # [BN, 16]
-    for gi in tl.static_range(8 // PLANES):
+    for gi in tl.static_range(4 // SLICES):
         part = tl.zeros_like(acc)  # [BN, 16]
         a_sum = tl.zeros([16], dtype=tl.float32)
-        for jj in tl.static_range(PLANES):
-            a_j = tl.load(a_ptr + a_off + k0 + 16 * (gi * PLANES + jj) + i).to(tl.float32)  # [16]
-            part += plane_f32(packed, high, gi * PLANES + jj, ASM) * a_j[None, :]
-            a_sum += a_j
-        g = (k0 + 16 * gi * PLANES) // GROUP
+        for jj in tl.static_range(SLICES):
+            for h in tl.static_range(2):
+                a_j = tl.load(a_ptr + a_off + k0 + 32 * (gi * SLICES + jj) + h + 2 * i).to(tl.float32)  # [16]
+                part += plane_f32(packed, high, gi * SLICES + jj + 4 * h, ASM) * a_j[None, :]
+                a_sum += a_j
+        g = (k0 + 32 * gi * SLICES) // GROUP
         s = tl.load(s_ptr + s_off + g * stride_s1, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
         z = tl.load(z_ptr + s_off + g * stride_s1, mask=n_mask, other=0).to(tl.float32) + 128.0
         acc += s[:, None] * (part - z[:, None] * a_sum[None, :])
