@@ -70,6 +70,18 @@ def test_fused_moe_matches_reference(fmt, t, k, device):
     _check(fmt, weights, d13, d2, hidden, *random_topk(t, E, k, device))
 
 
+@pytest.mark.parametrize("fmt", ["int4-g128", "int4-g32"])
+def test_int4_pairs_past_the_down_pair_limit(fmt, device):
+    """12 pairs (3 tokens x top-4): gate/up on the pair MMA, down (past PAIR_MMA_DOWN_MAX_PAIRS) on the
+    grouped GEMM one block per pair; equals the float64 loop."""
+    from dsquant.runtime.kernels.moe import fused_moe as fm
+    assert fm.PAIR_MMA_DOWN_MAX_PAIRS < 12 <= fm.MOE_GEMV_MAX_PAIRS
+    h, inter = _shape(fmt)
+    weights, d13, d2 = make_experts(fmt, E, h, inter, torch.float16, device, seed=41)
+    hidden = hidden_states(3, h, torch.float16, device, seed=41)
+    _check(fmt, weights, d13, d2, hidden, *random_topk(3, E, 4, device))
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("t", [1, 2])
 def test_decode_rules_on_match_reference(fmt, t, monkeypatch, device):
@@ -269,12 +281,13 @@ GPU_FORMATS = ["bf16", "int4-g128", "int4-g64", "fp8"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 8, 517, 4096])
+@pytest.mark.parametrize("t", [1, 2, 8, 517, 4096])
 @pytest.mark.parametrize("fmt", GPU_FORMATS)  # the slowest-varying parameter: one cached format at a time
 def test_fused_moe_v2_lite_bf16_full_size(fmt, t, device):
     """DeepSeek-V2-Lite layer: 64 experts + 2 shared run as experts, top-6, H 2048, I 1408, bf16:
-    fused_moe equals the float64 loop, whole output and per 128-channel block (T = 1 and 8: the
-    INT4 GEMV path; 517, 4096: the grouped GEMMs)."""
+    fused_moe equals the float64 loop, whole output and per 128-channel block (INT4: T = 1 on the
+    pair MMAs, T = 2 gate/up on the pair MMA and down on the grouped GEMM, 8 and 517 on the grouped
+    GEMMs, 4096 dequantized first)."""
     weights, d13, d2 = v2_lite_experts(fmt)
     hidden = hidden_states(t, V2_LITE["hidden"], torch.bfloat16, device, seed=t)
     tw, ids = with_shared_experts(*random_topk(t, 64, 6, device, seed=t), 64, 2)

@@ -218,8 +218,14 @@ def _dequantize_first(weights: MoeWeights, pairs: int, elem_bytes: int) -> bool:
 # (64, 2 warps, split 4) against the GEMV's 18.72; down 8.73 against 12.24. End to end (same day, H100,
 # `bench engine --schemes int4`, batch 1): 588.4 tok/s against the GEMVs' 543.4 (1.699 against 1.840 ms a
 # token); the trained-model GPU test and the demo's table unchanged with it on. DSQUANT_MOE_PAIR_MMA=0: the GEMVs.
+# With the paired code order (24th session, H100): 12.90 / 8.57 us, engine 591.2 against 581.4 tok/s.
 MOE_PAIR_MMA = os.environ.get("DSQUANT_MOE_PAIR_MMA", "1") == "1"
 PAIR_MMA_CONFIGS = ((64, 2, 4), (64, 2, 4))
+# Past this many pairs the down projection runs on the grouped GEMM (one block per pair) instead. H100,
+# same probe with the paired code order (`MOEGEMV_ARGS="--tokens 1,2,4,8 --kernels pair,grouped"`,
+# 2026-12-06, 24th session), us: T = 1 (8 pairs) pair 8.57 / grouped 9.11; T = 2 (16) 13.07 / 11.31.
+# Gate/up keeps the pair MMA at T = 2 (21.13 against 25.25).
+PAIR_MMA_DOWN_MAX_PAIRS = 8
 # FP8 experts' decode pairs the same way (moe_pair_mma_fp8) instead of the grouped GEMMs on one block
 # per pair: off, it lost (same H100 probe, `bash scripts/gpu.sh moepf8`: best gate/up 21.28 us against the
 # grouped GEMM's 18.93, down 12.52 against 10.63); PAIR_FP8_CONFIGS as PAIR_MMA_CONFIGS plus block_m
@@ -249,8 +255,12 @@ def _expert_gemvs(hidden, weights: MoeWeights, ids, act, out) -> None:
         (bn13, w13, s13), (bn2, w2, s2) = PAIR_MMA_CONFIGS
         moe_pair_mma_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=bn13,
                           num_warps=w13, split_k=s13)
-        moe_pair_mma_int4(act, weights.w2, ids, out, a_row_div=1, gated=False, block_n=bn2, num_warps=w2,
-                          split_k=s2)
+        if ids.numel() <= PAIR_MMA_DOWN_MAX_PAIRS:
+            moe_pair_mma_int4(act, weights.w2, ids, out, a_row_div=1, gated=False, block_n=bn2, num_warps=w2,
+                              split_k=s2)
+        else:
+            cfg2 = pick_configs(ids.numel(), weights.num_experts, "int4")[1]
+            moe_gemm(act, weights.w2, one_block_per_pair(ids, cfg2.block_m), out, cfg2, a_row_div=1, gated=False)
         return
     moe_gemv_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=16, num_warps=1)
     # right after the gate/up launch: the ids are two launches old, so the down GEMV may read them

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call: the tree against the dsquant files kept under .old/ (carry .wheels and .old), end to end.
+#   1. the -m gpu tests of $TESTS on the tree
+#   2. `bench engine` with $ENGINE_ARGS on the tree, then on .old/ (swapped in and back; TAG=old)
+#   3. if the tree's $AB_SCHEME (int4) is > 1% faster at batch 1 and not > 2% slower at 64 sequences:
+#      the trained-model GPU test and the demo (the gates for landing a GPU-path change)
+#   4. with the time left: $EXTRA_STEPS (gpu.sh steps on the tree, e.g. moegemv with MOEGEMV_ARGS)
+# Every step runs through scripts/gpu.sh with its own OUT under /tmp/ab; all of it comes back as $OUT/ab.tgz
+# (one archive per step inside) beside $OUT/driver.txt, re-packed after each phase, so a run stopped at the
+# command's limit still returns what finished. BUDGET_S: the seconds this driver may use (default 550).
+set -u
+O=${OUT:-out}; S=scripts/gpu.sh; B=${BUDGET_S:-550}; R=/tmp/ab; rm -rf $R; mkdir -p $R "$O"
+SCHEME=${AB_SCHEME:-int4}
+t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$O/driver.txt"; }
+left() { [ $(( B - ($(date +%s) - t0) )) -gt "$1" ]; }
+pack() { tar -czf "$O/ab.tgz" -C $R . ; }
+el start
+if [ -n "${TESTS:-}" ]; then
+  TEST_S=${TEST_S:-150} OUT=$R/t bash $S new >/dev/null 2>&1
+  el tests; tar -xzOf $R/t/all.tgz ./tests-new.txt 2>/dev/null | tail -4 | tee -a "$O/driver.txt"
+fi
+ENGINE_ARGS="${ENGINE_ARGS:---schemes $SCHEME,bf16 --modes async}" OUT=$R/en bash $S engine >/dev/null 2>&1
+el engine-tree
+OUT=$R/x1 bash $S swap >/dev/null 2>&1
+ENGINE_ARGS="${OLD_ENGINE_ARGS:---schemes $SCHEME --modes async}" TAG=old OUT=$R/eo bash $S engineon >/dev/null 2>&1
+el engine-old
+OUT=$R/x2 bash $S swap >/dev/null 2>&1
+pack
+python3 - $R "$SCHEME" <<'EOF' | tee -a "$O/driver.txt"
+import json, sys, tarfile
+r, scheme = sys.argv[1:3]
+def eng(sub, name):
+    with tarfile.open(f"{r}/{sub}/all.tgz") as t:
+        d = json.load(t.extractfile(f"./{name}"))
+    return {k: (round(v["batch1_async"]["decode_tok_s"], 1), round(v["concurrent_async"]["output_tok_s"]))
+            for k, v in d["schemes"].items()}
+new, old = eng("en", "engine.json"), eng("eo", "engineonold.json")
+print("tree", new, "old", old)
+win = new[scheme][0] > 1.01 * old[scheme][0] and new[scheme][1] > 0.98 * old[scheme][1]
+open(f"{r}/win", "w").write("1" if win else "0")
+print("win", win)
+EOF
+if [ "$(cat $R/win 2>/dev/null)" = 1 ] && left 250; then
+  CPUVAL_S=1 OUT=$R/g bash $S trained demo >/dev/null 2>&1
+  el gates; tar -xzOf $R/g/all.tgz ./trained.txt 2>/dev/null | tail -3 | tee -a "$O/driver.txt"
+  tar -xzOf $R/g/all.tgz ./demo-cuda.txt 2>/dev/null | grep -A8 "^artifact" | tee -a "$O/driver.txt"
+  pack
+fi
+if [ -n "${EXTRA_STEPS:-}" ] && left 100; then
+  lim=$(( B - ($(date +%s) - t0) - 20 ))
+  MOEGEMV_S=$lim OUT=$R/extra bash $S $EXTRA_STEPS >/dev/null 2>&1
+  el "$EXTRA_STEPS"; pack
+fi
+el done
