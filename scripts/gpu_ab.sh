@@ -2,8 +2,9 @@
 # One device call: the tree against the dsquant files kept under .old/ (carry .wheels and .old), end to end.
 #   1. the -m gpu tests of $TESTS on the tree
 #   2. `bench engine` with $ENGINE_ARGS on the tree, then on .old/ (swapped in and back; TAG=old)
-#   3. if the tree's $AB_SCHEME (int4) is > 1% faster at batch 1 and not > 2% slower at 64 sequences:
-#      the trained-model GPU test and the demo (the gates for landing a GPU-path change)
+#   3. if the tree's $AB_SCHEME (int4) is > 1% faster at batch 1 and not > 2% slower at 64 sequences
+#      (AB_GAIN_ON=c64: > 1% faster at 64 sequences and not > 1% slower at batch 1): the trained-model GPU
+#      test and the demo (the gates for landing a GPU-path change)
 #   4. with the time left: $EXTRA_STEPS (gpu.sh steps on the tree, e.g. moegemv with MOEGEMV_ARGS)
 # Every step runs through scripts/gpu.sh with its own OUT under /tmp/ab; all of it comes back as $OUT/ab.tgz
 # (one archive per step inside) beside $OUT/driver.txt, re-packed after each phase, so a run stopped at the
@@ -26,9 +27,9 @@ ENGINE_ARGS="${OLD_ENGINE_ARGS:---schemes $SCHEME --modes async}" TAG=old OUT=$R
 el engine-old
 OUT=$R/x2 bash $S swap >/dev/null 2>&1
 pack
-python3 - $R "$SCHEME" <<'EOF' | tee -a "$O/driver.txt"
+python3 - $R "$SCHEME" "${AB_GAIN_ON:-b1}" <<'EOF' | tee -a "$O/driver.txt"
 import json, sys, tarfile
-r, scheme = sys.argv[1:3]
+r, scheme, gain_on = sys.argv[1:4]
 def eng(sub, name):
     with tarfile.open(f"{r}/{sub}/all.tgz") as t:
         d = json.load(t.extractfile(f"./{name}"))
@@ -36,7 +37,8 @@ def eng(sub, name):
             for k, v in d["schemes"].items()}
 new, old = eng("en", "engine.json"), eng("eo", "engineonold.json")
 print("tree", new, "old", old)
-win = new[scheme][0] > 1.01 * old[scheme][0] and new[scheme][1] > 0.98 * old[scheme][1]
+(b1, c64), (ob1, oc64) = new[scheme], old[scheme]
+win = (c64 > 1.01 * oc64 and b1 > 0.99 * ob1) if gain_on == "c64" else (b1 > 1.01 * ob1 and c64 > 0.98 * oc64)
 open(f"{r}/win", "w").write("1" if win else "0")
 print("win", win)
 EOF
@@ -48,7 +50,7 @@ if [ "$(cat $R/win 2>/dev/null)" = 1 ] && left 250; then
 fi
 if [ -n "${EXTRA_STEPS:-}" ] && left 100; then
   lim=$(( B - ($(date +%s) - t0) - 20 ))
-  MOEGEMV_S=$lim OUT=$R/extra bash $S $EXTRA_STEPS >/dev/null 2>&1
+  MOEGEMV_S=$lim PROBE_S=$lim ENGINE_S=$lim OUT=$R/extra bash $S $EXTRA_STEPS >/dev/null 2>&1
   el "$EXTRA_STEPS"; pack
 fi
 el done
