@@ -94,7 +94,7 @@ def w4a16_mma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
               num_warps: int = 4, num_stages: int = 4, perm: torch.Tensor | None = None,
               counters: torch.Tensor | None = None, paired: bool | None = None, tile_n: int = 0,
               prefetch: bool | None = None) -> torch.Tensor:
-    """out [M, N] = x2 [M, K] @ dequant(W)^T with W's codes in the k-sliced order (module doc)."""
+    """out [M, N] = x2 [M, K] @ dequant(W)^T with W's codes in the paired order (module doc)."""
     m, k = x2.shape
     n = qweight.shape[0] if not tile_n else qweight.numel() * 8 // k
     if group_size not in (32, 64, 128) or k % 128:
