@@ -4,7 +4,8 @@
 #   2. `bench engine` with $ENGINE_ARGS on the tree, then on .old/ (swapped in and back; TAG=old)
 #   3. if the tree's $AB_SCHEME (int4) is > 1% faster at batch 1 and not > 2% slower at 64 sequences
 #      (AB_GAIN_ON=c64: > 1% faster at 64 sequences and not > 1% slower at batch 1): the trained-model GPU
-#      test and the demo (the gates for landing a GPU-path change)
+#      test and the demo (the gates for landing a GPU-path change); GATES_FIRST=1: the gates right after the
+#      tree's engine, whatever it shows, then the old engine only if time is left
 #   4. with the time left: $EXTRA_STEPS (gpu.sh steps on the tree, e.g. moegemv with MOEGEMV_ARGS)
 # Every step runs through scripts/gpu.sh with its own OUT under /tmp/ab; all of it comes back as $OUT/ab.tgz
 # (one archive per step inside) beside $OUT/driver.txt, re-packed after each phase, so a run stopped at the
@@ -22,6 +23,16 @@ if [ -n "${TESTS:-}" ]; then
 fi
 ENGINE_ARGS="${ENGINE_ARGS:---schemes $SCHEME,bf16 --modes async}" OUT=$R/en bash $S engine >/dev/null 2>&1
 el engine-tree
+gates() {
+  CPUVAL_S=1 OUT=$R/g bash $S trained demo >/dev/null 2>&1
+  el gates; tar -xzOf $R/g/all.tgz ./trained.txt 2>/dev/null | tail -3 | tee -a "$O/driver.txt"
+  tar -xzOf $R/g/all.tgz ./demo-cuda.txt 2>/dev/null | grep -A8 "^artifact" | tee -a "$O/driver.txt"
+  pack
+}
+if [ -n "${GATES_FIRST:-}" ]; then  # short budgets: the gates before the A/B's old engine, whatever it shows
+  pack; gates
+  left 80 || { el done; exit 0; }
+fi
 OUT=$R/x1 bash $S swap >/dev/null 2>&1
 ENGINE_ARGS="${OLD_ENGINE_ARGS:---schemes $SCHEME --modes async}" TAG=old OUT=$R/eo bash $S engineon >/dev/null 2>&1
 el engine-old
@@ -42,11 +53,8 @@ win = (c64 > 1.01 * oc64 and b1 > 0.99 * ob1) if gain_on == "c64" else (b1 > 1.0
 open(f"{r}/win", "w").write("1" if win else "0")
 print("win", win)
 EOF
-if [ "$(cat $R/win 2>/dev/null)" = 1 ] && left 250; then
-  CPUVAL_S=1 OUT=$R/g bash $S trained demo >/dev/null 2>&1
-  el gates; tar -xzOf $R/g/all.tgz ./trained.txt 2>/dev/null | tail -3 | tee -a "$O/driver.txt"
-  tar -xzOf $R/g/all.tgz ./demo-cuda.txt 2>/dev/null | grep -A8 "^artifact" | tee -a "$O/driver.txt"
-  pack
+if [ -z "${GATES_FIRST:-}" ] && [ "$(cat $R/win 2>/dev/null)" = 1 ] && left 250; then
+  gates
 fi
 if [ -n "${EXTRA_STEPS:-}" ] && left 100; then
   lim=$(( B - ($(date +%s) - t0) - 20 ))
