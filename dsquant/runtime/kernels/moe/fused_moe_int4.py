@@ -4,7 +4,7 @@ AWQ per expert (stacked over E): qweight int32 [E, K, N/8] (8 nibbles along N in
 0,2,4,6,1,3,5,7), qzeros int32 [E, K/G, N/8] (same order), scales [E, K/G, N]; W^T = (q - z) * s.
 Kernel layout (moe_gemm "int4"): qweight int32 [E, N/16, K/128, 16, 16], tiled: 16 output rows x
 128 input channels are one contiguous 1 KiB block, and nibble j of word i of a row holds channel
-32 (j % 4) + 2i + j // 4 of the tile (the "paired" order, `PAIRED_ORDER`): nibbles j and j + 4 of a
+32 (j % 4) + 2i + j // 4 of the tile (the "paired" order): nibbles j and j + 4 of a
 word are neighbouring channels, so one lop3 that takes both into the halves of a register gives the
 bf16x2 an MMA operand register holds, and nibble planes j and j + 4 together are 32 consecutive
 channels (one K = 32 MMA step on a contiguous slice of the activations); zeros uint8 [E, K/G, N];
