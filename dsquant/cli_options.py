@@ -79,6 +79,9 @@ _ENGINE_OPTIONS = [
     click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
                  help="Launch each engine step before reading the previous one's tokens."),
     click.option("--enforce-eager", is_flag=True, help="Run eagerly: no CUDA graphs."),
+    click.option("--num-scheduler-steps", default=1, show_default=True, type=click.IntRange(min=1),
+                 help="Decode steps one launch may run back to back on the device (multi-step decoding): the "
+                      "engine's host work is paid once per launch; tokens of a launch arrive together."),
     click.option("--seed", default=None, type=int,
                  help="Seed of the engine's sampling generator (requests without a seed of their own). "
                       "Default: 0."),
@@ -100,6 +103,7 @@ _ENGINE_OPTIONS = [
                  help="Jinja chat template: a file path or the template text. Default: the tokenizer's."),
 ]
 ENGINE_KEYS = ("device", "dtype", "max_model_len", "tensor_parallel_size", "async_scheduling", "enforce_eager",
+               "num_scheduler_steps",
                "seed", "max_num_batched_tokens", "long_prefill_token_threshold", "enable_prefix_caching",
                "gpu_memory_utilization", "kv_cache_dtype", "tokenizer", "chat_template")
 
@@ -126,7 +130,7 @@ def engine_config(opts: dict, **extra):
     return EngineConfig(
         device=opts["device"], dtype=getattr(torch, dtype) if dtype else None, max_model_len=opts["max_model_len"],
         tensor_parallel_size=opts["tensor_parallel_size"], async_scheduling=opts["async_scheduling"],
-        enforce_eager=opts["enforce_eager"], seed=opts["seed"] if opts["seed"] is not None else 0,
+        enforce_eager=opts["enforce_eager"], num_scheduler_steps=opts["num_scheduler_steps"], seed=opts["seed"] if opts["seed"] is not None else 0,
         max_num_batched_tokens=opts["max_num_batched_tokens"],
         long_prefill_token_threshold=opts["long_prefill_token_threshold"],
         enable_prefix_caching=opts["enable_prefix_caching"],

@@ -24,11 +24,12 @@
 #               configs against SDPA: scripts/prefill_sweep.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
 #   engine:     engine, tpbench / tpv2 (tensor parallelism: V2-Lite at TP_SIZES, V2-236B INT4; several GPUs), engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES / MLA_SMALL_TILES, router_route up to ROUTE_N tokens, the greedy argmax inside the decode graphs with GREEDY_GRAPH=1, any python statement in EXTRA_PY; DSQUANT_PDL=0: no programmatic dependent launch), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
 #               prompt; long32: 32768), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
-#               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split; GREEDY_GRAPH=1: the argmax in the graphs)
+#               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split; GREEDY_GRAPH=1: the argmax in the graphs),
+#               msprobe (scripts/multi_step_probe.py: dsq-tiny-v3 BF16 (MS_FP8=1: and fp8-block) at MS_STEPS decode steps per launch)
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
 #               v2prof (the same, timed phase by phase: scripts/profile_quantize.py),
 #               validate8 (RTN and FP8 artifacts of that shape validated against it)
-#   tune:       tune1, tune4, ... (dsquant tune of dsq-tiny-v3 at --max-ppl-increase N)
+#   tune:       tune1, tune4, ... (dsquant tune of dsq-tiny-v3 at --max-ppl-increase N; TUNE_ARGS: more options)
 # Each step's limit is an env variable (STEP_S, e.g. DEMO_S=300); see the case below.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/dsquant_triton_cache}
@@ -190,9 +191,17 @@ main()" > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (
         timeout "${VALIDATE_S:-300}" python3 -m dsquant validate "$W/rtn-w4g128" "$W/fp8-block" --baseline "$W/v2lite8" \
             --out "$OUT/validate8" --device cuda ${VARGS:-} >> "$OUT/validate8.txt" 2>&1 ;;
     tune*) b=${step#tune}; timeout "${TUNE_S:-290}" python3 -m dsquant tune $M --device cuda --max-ppl-increase "$b" \
-           --batch 1,64 --latency-cache "$W/tune-latency" -o "$W/tune-b$b" > "$OUT/tune-b$b.txt" 2>&1
+           --batch 1,64 --latency-cache "$W/tune-latency" -o "$W/tune-b$b" ${TUNE_ARGS:-} > "$OUT/tune-b$b.txt" 2>&1
          echo "tune rc=$?" >> "$OUT/tune-b$b.txt"; mkdir -p "$OUT/tune-b$b"
          (cd "$W/tune-b$b" && cp -r tune.json tune.md pareto.png recipe.yaml validate "$W/tune-latency" "$OUT/tune-b$b/" 2>/dev/null) ;;
+    msprobe) ms_models=$M  # multi-step decoding against single steps; MS_FP8=1: fp8-block too
+        if [ -n "${MS_FP8:-}" ]; then
+          [ -d "$W/v-fp8-block" ] || timeout 120 python3 -m dsquant quantize $M --recipe fp8-block -o "$W/v-fp8-block" \
+               --device cuda >> "$OUT/msprobe.txt" 2>&1
+          ms_models="$M $W/v-fp8-block"
+        fi
+        timeout "${MSPROBE_S:-240}" python3 scripts/multi_step_probe.py "$OUT/msprobe.json" $ms_models \
+            --steps ${MS_STEPS:-1,8} --rounds ${ROUNDS:-2} >> "$OUT/msprobe.txt" 2>&1 ;;
     variance*) for r in fp8-block awq-w4g128; do  # variancepin: the same, the process pinned to one CPU
           [ -d "$W/v-$r" ] || timeout 120 python3 -m dsquant quantize $M --recipe $r -o "$W/v-$r" --device cuda >> "$OUT/$step.txt" 2>&1
         done
@@ -204,7 +213,7 @@ main()" > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/gpukernels.txt "$OUT"/gpurest.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
-for f in moe_gemv_probe moe_pair_fp8 mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe routeq alignq engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill tpbench tpv2; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+for f in msprobe moe_gemv_probe moe_pair_fp8 mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe routeq alignq engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill tpbench tpv2; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
 # what comes back is limited in files: everything in one archive (steps.txt beside it)

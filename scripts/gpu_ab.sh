@@ -5,7 +5,7 @@
 #   3. if the tree's $AB_SCHEME (int4) is > 1% faster at batch 1 and not > 2% slower at 64 sequences
 #      (AB_GAIN_ON=c64: > 1% faster at 64 sequences and not > 1% slower at batch 1): the trained-model GPU
 #      test and the demo (the gates for landing a GPU-path change); GATES_FIRST=1: the gates right after the
-#      tree's engine, whatever it shows, then the old engine only if time is left
+#      tree's engine, whatever it shows, then the old engine only if time is left (EXTRA_FIRST=1: step 4 first)
 #   4. with the time left: $EXTRA_STEPS (gpu.sh steps on the tree, e.g. moegemv with MOEGEMV_ARGS)
 # Every step runs through scripts/gpu.sh with its own OUT under /tmp/ab; all of it comes back as $OUT/ab.tgz
 # (one archive per step inside) beside $OUT/driver.txt, re-packed after each phase, so a run stopped at the
@@ -29,8 +29,16 @@ gates() {
   tar -xzOf $R/g/all.tgz ./demo-cuda.txt 2>/dev/null | grep -A8 "^artifact" | tee -a "$O/driver.txt"
   pack
 }
+extra() {
+  if [ -n "${EXTRA_STEPS:-}" ] && left 100; then
+    lim=$(( B - ($(date +%s) - t0) - 20 ))
+    MOEGEMV_S=$lim PROBE_S=$lim ENGINE_S=$lim MSPROBE_S=$lim OUT=$R/extra bash $S $EXTRA_STEPS >/dev/null 2>&1
+    el "$EXTRA_STEPS"; pack
+  fi
+}
 if [ -n "${GATES_FIRST:-}" ]; then  # short budgets: the gates before the A/B's old engine, whatever it shows
   pack; gates
+  if [ -n "${EXTRA_FIRST:-}" ]; then extra; EXTRA_STEPS=""; fi  # EXTRA_FIRST=1: $EXTRA_STEPS before the old engine
   left 80 || { el done; exit 0; }
 fi
 OUT=$R/x1 bash $S swap >/dev/null 2>&1
@@ -56,9 +64,5 @@ EOF
 if [ -z "${GATES_FIRST:-}" ] && [ "$(cat $R/win 2>/dev/null)" = 1 ] && left 250; then
   gates
 fi
-if [ -n "${EXTRA_STEPS:-}" ] && left 100; then
-  lim=$(( B - ($(date +%s) - t0) - 20 ))
-  MOEGEMV_S=$lim PROBE_S=$lim ENGINE_S=$lim OUT=$R/extra bash $S $EXTRA_STEPS >/dev/null 2>&1
-  el "$EXTRA_STEPS"; pack
-fi
+extra
 el done

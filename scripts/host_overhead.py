@@ -84,8 +84,11 @@ def time_decode(engine, batch: int, steps: int, params: SamplingParams, prompt_l
     times = []
     while engine.has_unfinished():
         t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        # per output token: a multi-step burst returns several tokens per sequence
+        per = max((len(o.new_token_ids) for o in outs), default=1)
+        times += [dt / per] * per
     return times[5:steps], counts  # skip warm-up; the tail as requests finish together is kept short
 
 
@@ -127,6 +130,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=V2_LITE["vocab_size"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=100)
+    ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per launch (multi_step.py)")
     ap.add_argument("--long", type=int, default=0, help="decode this many tokens per request (see above)")
     ap.add_argument("--stop", nargs="*", default=[], help="stop strings for --long")
     args = ap.parse_args()
@@ -140,7 +144,8 @@ def main() -> None:
         path = make_config_dir(Path(tmp) / "m", V2_LITE, "bf16", **TINY, vocab_size=args.vocab)
         engine = LLMEngine(path, EngineConfig(device="cpu", kernels=False, verify_checksums=False,
                                               max_model_len=4096, num_blocks=2048,
-                                              max_num_batched_tokens=1 << 17, max_num_seqs=256),
+                                              max_num_batched_tokens=1 << 17, max_num_seqs=256,
+                                              num_scheduler_steps=args.num_scheduler_steps),
                            reader=RandomCheckpointReader(path))
         stub_forward(engine.runner, args.vocab)
         for batch in args.batch:
@@ -148,7 +153,7 @@ def main() -> None:
                 params = SamplingParams(max_tokens=args.steps + 8, temperature=temp, ignore_eos=True)
                 t, (ops, tensors) = time_decode(engine, batch, args.steps, params, args.prompt_len)
                 us = sorted(x * 1e6 for x in t)
-                print(f"batch {batch:3d} {name:14s} step median {statistics.median(us):8.1f} us  "
+                print(f"batch {batch:3d} {name:14s} per token median {statistics.median(us):8.1f} us  "
                       f"p90 {us[int(0.9 * len(us))]:8.1f} us  aten ops {ops:3d}  torch.tensor {tensors:2d}")
 
 

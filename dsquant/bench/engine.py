@@ -61,6 +61,7 @@ class EngineBenchSpec:
     config: dict = field(default_factory=dict)  # overrides of that shape (tiny shapes for CPU tests)
     kv_cache_dtype: str = "auto"  # "fp8": the FlashMLA-layout FP8 KV cache
     tensor_parallel_sizes: tuple[int, ...] = (1,)  # each scheme at each size (rows "<scheme>-tp<N>" past 1)
+    num_scheduler_steps: int = 1  # decode steps per launch (runtime/engine/multi_step.py)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -77,6 +78,8 @@ def run_requests(engine, prompts: list[list[int]], output_len: int) -> dict:
 
     run = timed_generate(engine, prompts, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
     gaps = run.token_gaps()
+    if engine.num_scheduler_steps > 1:  # a burst's tokens arrive together: each request's mean gap
+        gaps = [(r.finished_at - r.token_times[0]) / (r.output_tokens - 1) for r in run.requests if r.output_tokens > 1]
     return {"wall_s": run.wall_s, "output_tokens": run.output_tokens, "output_tok_s": run.output_tokens / run.wall_s,
             "ttft_s": statistics.median(run.ttfts()),
             "tpot_ms": 1e3 * statistics.median(gaps) if gaps else None, "peak_kv_blocks": run.peak_kv_blocks}
@@ -100,7 +103,8 @@ def build_engine(scheme: str, spec: EngineBenchSpec, workdir: Path, max_model_le
                                              spec.long_streams + 1 if spec.long_context else 1),
         max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=max_model_len,
         gpu_memory_utilization=spec.gpu_memory_utilization, verify_checksums=False,
-        kv_cache_memory=1 << 30, kv_cache_dtype=spec.kv_cache_dtype, tensor_parallel_size=tp),
+        kv_cache_memory=1 << 30, kv_cache_dtype=spec.kv_cache_dtype, tensor_parallel_size=tp,
+        num_scheduler_steps=spec.num_scheduler_steps),
         reader_factory=reader_factory)
     _sync(spec.device)
     return engine, reader_factory("cpu"), time.perf_counter() - start
@@ -270,9 +274,11 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Comma list: every scheme at each size (e.g. 1,2: TP=2 against TP=1 on the same model, "
                    "with the all-reduce time per token); one process per GPU, gloo processes on CPU.")
 @kv_cache_dtype_option()
+@click.option("--num-scheduler-steps", default=1, show_default=True, type=click.IntRange(min=1),
+              help="The engine's decode steps per launch (multi-step decoding).")
 def engine(schemes, model_shape, layers, input_len, batch1_output, concurrency, concurrent_output, long_context,
            long_streams, long_thresholds, max_num_batched_tokens, serve_conc,
-           peer_batches, modes, device, config_json, json_path, tp_sizes, kv_cache_dtype):
+           peer_batches, modes, device, config_json, json_path, tp_sizes, kv_cache_dtype, num_scheduler_steps):
     """Engine decode and throughput on a V2-Lite-shaped random model, BF16/FP8/INT4, beside transformers."""
     from dsquant.bench.random_model import SCHEMES
 
@@ -296,7 +302,7 @@ def engine(schemes, model_shape, layers, input_len, batch1_output, concurrency, 
                            serve_concurrencies=_ints(serve_conc), peer_batches=_ints(peer_batches),
                            modes=mode_names, device=device,
                            config=json.loads(config_json) if config_json else {}, kv_cache_dtype=kv_cache_dtype,
-                           tensor_parallel_sizes=sizes)
+                           tensor_parallel_sizes=sizes, num_scheduler_steps=num_scheduler_steps)
     result = run_engine_bench(spec, json_path)
     click.echo(format_table(result))
     tp_table = format_tp_table(result)

@@ -62,5 +62,5 @@ def build_runner(path: Path, c: EngineConfig, device: torch.device, reader=None,
     return runner_cls(model, attention, RunnerConfig(
         device=device, dtype=dtype, block_size=c.block_size, max_model_len=max_model_len,
         max_num_batched_tokens=c.max_num_batched_tokens, enforce_eager=c.enforce_eager,
-        cuda_graph_max_batch=min(c.cuda_graph_max_batch, c.max_num_seqs), kv_cache_dtype=c.kv_cache_dtype),
-        seed=c.seed)
+        cuda_graph_max_batch=min(c.cuda_graph_max_batch, c.max_num_seqs), kv_cache_dtype=c.kv_cache_dtype,
+        num_scheduler_steps=c.num_scheduler_steps if c.tensor_parallel_size == 1 else 1), seed=c.seed)

@@ -65,10 +65,12 @@ def parse_compare(text: str) -> list[str]:
               help="Recipes (bundled names or paths) quantized and measured beside the chosen one in the proof, "
                    "their predictions in tune.md; 'none' for none.")
 @click.option("--no-proof", is_flag=True, help="Skip quantizing and validating the chosen recipe.")
+@click.option("--num-scheduler-steps", default=1, show_default=True, type=click.IntRange(min=1),
+              help="The engine's decode steps per launch (multi-step decoding) in the timing and the proof.")
 @device_option()
 def tune(model_dir, out_dir, max_ppl_increase, max_kl, max_weight_gb, batch, schemes, band, latency_table,
          latency_cache, cpu_latency, n_samples, seqlen, n_heldout, seed, awq_grid, eval_tokens, window, compare,
-         no_proof, device):
+         no_proof, num_scheduler_steps, device):
     """Find the fastest recipe for MODEL_DIR within an accuracy budget (and a weight cap).
 
     Every module group of every layer (attention input projections, q_b, kv_b, o_proj, shared
@@ -89,7 +91,7 @@ def tune(model_dir, out_dir, max_ppl_increase, max_kl, max_weight_gb, batch, sch
     args = TuneArgs(resolve_model_dir(model_dir), out_dir, max_ppl_increase, max_kl, max_weight_gb,
                     parse_batches(batch), parse_schemes(schemes), band, device, latency_table, latency_cache,
                     cpu_latency, n_samples, seqlen, n_heldout, seed, awq_grid, eval_tokens, window, not no_proof,
-                    parse_compare(compare))
+                    parse_compare(compare), num_scheduler_steps)
     payload = run_tune(args, log=lambda m: click.echo(m, err=True))
     pred = payload["chosen"]["predicted"]
     click.echo(f"chosen: predicted KL {pred['kl']:.4g}, ppl +{pred['ppl_increase_pct']:.3g}%, "

@@ -216,6 +216,9 @@ def build_table(space: Space, batches: list[int], device: str, model_dir: str, t
                 cache_dir: str | Path, cpu_mode: str, fixed_spec, log=print) -> LatencyTable:
     """The latency table: a recorded one (--latency-table), else the cache topped up by timing."""
     model = model_id(model_dir)
+    steps = getattr(fixed_spec, "num_scheduler_steps", 1)
+    if steps > 1:  # the fixed work and host floor of a multi-step engine are its own
+        model += f" num_scheduler_steps={steps}"
     if table_path is not None:
         table = load_table(table_path, model)
         needed = needed_keys(space, batches, table.fused_moe)

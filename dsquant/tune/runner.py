@@ -46,9 +46,10 @@ class TuneArgs:
     proof: bool = True
     compare: list[str] = field(default_factory=lambda: ["fp8-block", "awq-w4g128"])  # quantized and measured
     # beside the chosen recipe in the proof, their predictions in tune.md
+    num_scheduler_steps: int = 1  # the engine's decode steps per launch, in the fixed-work timing and the proof
 
 
-def latency_spec(batches: list[int], device: str):
+def latency_spec(batches: list[int], device: str, num_scheduler_steps: int = 1):
     """The decode-dominated LatencySpec that both the fixed-work timing and the proof use: decode steps
     split into host and GPU time (the host floor, latency.py); on CUDA the proof's validate measures
     its artifacts in 3 interleaved rounds."""
@@ -57,7 +58,8 @@ def latency_spec(batches: list[int], device: str):
     out = 128 if device == "cuda" else 16
     return LatencySpec(ttft_input=16, tpot_output=out, throughput_input=16, throughput_output=out // 2,
                        batch_sizes=tuple(b for b in batches if b > 1), repeats=5 if device == "cuda" else 2,
-                       rounds=3 if device == "cuda" else 1, split_steps=True)
+                       rounds=3 if device == "cuda" else 1, split_steps=True,
+                       num_scheduler_steps=num_scheduler_steps)
 
 
 def fixed_bytes(model, space: Space) -> int:
@@ -175,7 +177,7 @@ def run_tune(args: TuneArgs, log=print) -> dict:
     space = build_space(model.config, linear_shapes(model), args.schemes, args.band)
     fixed = fixed_bytes(model, space)
     check_weight_cap(space, fixed, args.max_weight_gb)
-    spec = latency_spec(args.batches, args.device)
+    spec = latency_spec(args.batches, args.device, args.num_scheduler_steps)
     table = lat.build_table(space, args.batches, args.device, args.model_dir, args.latency_table,
                             args.latency_cache, args.cpu_latency, spec, log)
     sens = measure(SensitivityArgs(args.model_dir, args.n_samples, args.seqlen, args.n_heldout, args.seed,

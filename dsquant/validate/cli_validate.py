@@ -56,6 +56,8 @@ def _finish(rows, paths) -> None:
 @click.option("--latency-rounds", default=1, show_default=True, type=click.IntRange(min=1),
               help="Measure every artifact's latency this many times, interleaved (A B C, A B C); each figure "
                    "is the median over all rounds, so a slow spell of the machine falls on every artifact.")
+@click.option("--num-scheduler-steps", default=1, show_default=True, type=click.IntRange(min=1),
+              help="The latency engine's decode steps per launch (multi-step decoding; `dsquant serve` has it too).")
 @click.option("--no-peers", is_flag=True, help="Skip the bitsandbytes NF4/INT8 peers.")
 @click.option("--lm-eval", "lm_eval", default=None, metavar="TASKS",
               help="lm-evaluation-harness tasks (comma-separated names or YAML paths) run against `dsquant serve` "
@@ -65,7 +67,8 @@ def _finish(rows, paths) -> None:
 @kv_cache_dtype_option()
 @tensor_parallel_option()
 def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, window, stride,
-             max_eval_tokens, no_latency, latency_rounds, no_peers, lm_eval, lm_eval_limit, kv_cache_dtype,
+             max_eval_tokens, no_latency, latency_rounds, num_scheduler_steps, no_peers, lm_eval, lm_eval_limit,
+             kv_cache_dtype,
              tensor_parallel_size):
     """Accuracy (perplexity, KL, top-1) against latency (TTFT, TPOT, tok/s) for each ARTIFACT.
 
@@ -89,7 +92,8 @@ def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, w
                         stride, max_eval_tokens, not no_latency, peers=not no_peers, lm_eval=lm_eval,
                         lm_eval_limit=lm_eval_limit, kv_cache_dtype=kv_cache_dtype,
                         tensor_parallel_size=tensor_parallel_size,
-                        latency_spec=replace(LatencySpec.for_device(device), rounds=latency_rounds))
+                        latency_spec=replace(LatencySpec.for_device(device), rounds=latency_rounds,
+                                             num_scheduler_steps=num_scheduler_steps))
     _finish(*run_validate(args, log=lambda m: click.echo(m, err=True)))
 
 

@@ -40,6 +40,7 @@ class LatencySpec:
     repeats: int = 3
     rounds: int = 1  # validate: measure every artifact this many times, interleaved (A B C, A B C, ...)
     split_steps: bool = False  # also record each decode step's host work and GPU time (decode_split)
+    num_scheduler_steps: int = 1  # the engine's decode steps per launch (runtime/engine/multi_step.py)
 
     @staticmethod
     def for_device(device: str) -> "LatencySpec":
@@ -100,7 +101,7 @@ def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtyp
     engine = LLMEngine(path, EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                           max_model_len=longest + 16, enable_prefix_caching=False,
                                           max_num_batched_tokens=max(2048, spec.ttft_input),
-                                          kv_cache_dtype=kv_cache_dtype,
+                                          kv_cache_dtype=kv_cache_dtype, num_scheduler_steps=spec.num_scheduler_steps,
                                           tensor_parallel_size=tensor_parallel_size))
     engine.time_steps(step_times)
     vocab = engine.model.config.vocab_size
@@ -129,8 +130,8 @@ def _settle(engine: LLMEngine, vocab: int, device: str, max_s: float = 15.0) -> 
         return
     prev, start = None, time.perf_counter()
     while time.perf_counter() - start < max_s:
-        gaps = _run(engine, _prompts(1, 8, vocab, 96), 32).token_gaps()
-        tpot = statistics.median(gaps)
+        req = _run(engine, _prompts(1, 8, vocab, 96), 32).requests[0]
+        tpot = (req.finished_at - req.token_times[0]) / (req.output_tokens - 1)  # bursts: tokens come in groups
         if prev is not None and abs(tpot - prev) <= 0.05 * prev:
             return
         prev = tpot

@@ -26,6 +26,17 @@ def test_bench_engine_measures_sync_and_async_stepping(tmp_path):
     assert "| bf16 | sync |" in res.output and "| bf16 | async |" in res.output
 
 
+def test_bench_engine_multi_step(tmp_path):
+    """--num-scheduler-steps: the engine decodes in bursts; time per output token is each request's mean
+    (a burst's tokens arrive together, so the median gap would be zero)."""
+    out = tmp_path / "engine.json"
+    res = CliRunner().invoke(engine, ARGS + ["--modes", "async", "--num-scheduler-steps", "4", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    row = json.loads(out.read_text())["schemes"]["bf16"]
+    assert row["batch1_async"]["output_tokens"] == 6 and row["batch1_async"]["tpot_ms"] > 0
+    assert row["concurrent_async"]["output_tokens"] == 3 * 5
+
+
 def test_bench_engine_refuses_an_unknown_mode():
     res = CliRunner().invoke(engine, ARGS + ["--modes", "sync,fast"])
     assert res.exit_code != 0 and "--modes" in res.output

@@ -96,30 +96,36 @@ class LaunchedStep:
     """A step whose GPU work is queued and whose tokens the host has not read yet."""
 
     seqs: list[Sequence]
-    token_index: list[int]  # per seq: where its sampled token goes in seq.token_ids, -1: samples nothing
+    token_index: list[int]  # per seq: where its (first) sampled token goes in seq.token_ids, -1: samples nothing
     tokens: SampledTokens | None  # None when no sequence samples
+    steps: int = 1  # > 1: a multi-step burst (multi_step.py), tokens [steps * S] step-major
 
 
 def launch_step(runner, batch: ScheduledBatch, max_model_len: int,
-                pending: LaunchedStep | None = None) -> LaunchedStep:
+                pending: LaunchedStep | None = None, steps: int = 1) -> LaunchedStep:
     """Launch `batch` (its placeholder input ids read `pending`'s tokens on the device) and
-    advance the sequences as if its tokens were known: computed counts, placeholders, ENDING."""
+    advance the sequences as if its tokens were known: computed counts, placeholders, ENDING.
+    steps > 1: a burst of decode steps; sampling row k of step j is the placeholder -(j S + k + 1)."""
     samples = batch.samples()
     batch.prev_tokens = pending.tokens.device if pending is not None and pending.tokens is not None else None
-    tokens = runner.launch(batch)
+    tokens = runner.launch(batch, steps) if steps > 1 else runner.launch(batch)
+    width = sum(samples)
     token_index, k = [], 0
     for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, samples):
-        seq.num_computed_tokens += n
+        seq.num_computed_tokens += n + steps - 1
         if not samp:
             token_index.append(-1)
             continue
         index = len(seq.token_ids)
         token_index.append(index)
-        seq.token_ids.append(-1 - k)  # placeholder: row k of `tokens`
+        if steps == 1:
+            seq.token_ids.append(-1 - k)  # placeholder: row k of `tokens`
+        else:
+            seq.token_ids += [-1 - (j * width + k) for j in range(steps)]
         k += 1
-        if seq.ends_by_length(index + 1, max_model_len):
+        if seq.ends_by_length(index + steps, max_model_len):
             seq.status = SequenceStatus.ENDING
-    return LaunchedStep(batch.seqs, token_index, tokens)
+    return LaunchedStep(batch.seqs, token_index, tokens, steps)
 
 
 def must_drain(pending: LaunchedStep, scheduler: Scheduler) -> bool:

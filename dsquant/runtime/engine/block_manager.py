@@ -102,11 +102,14 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free())
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """After a step: hash the blocks that are now full of computed tokens, for later reuse."""
+    def register_full_blocks(self, seq: Sequence, num_known: int | None = None) -> None:
+        """After a step: hash the blocks that are now full of computed tokens, for later reuse.
+        num_known: only seq's first num_known tokens are known on the host (the rest are
+        placeholders of steps in flight, async_step.py), so blocks past them wait."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        known = seq.num_computed_tokens if num_known is None else min(seq.num_computed_tokens, num_known)
+        num_full = known // self.block_size
         prev = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), num_full):
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]

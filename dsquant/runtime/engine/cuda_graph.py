@@ -27,6 +27,7 @@ import gc
 import torch
 
 from dsquant.runtime.engine.packed_copy import PackedCopy, layout, views
+from dsquant.runtime.engine.multi_step import advance_static_inputs
 from dsquant.runtime.engine.sampler import greedy_argmax
 from dsquant.runtime.layers.attention import PagedContext
 
@@ -61,6 +62,12 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.greedy: dict[int, torch.Tensor] = {}  # bucket -> [bucket] int64 argmax, when GREEDY_IN_GRAPH
+        # multi-step bursts (multi_step.py): per bucket a second graph that first advances the static
+        # inputs one step, input ids from `prev`, and ends with the argmax
+        self.bursts = runner.config.num_scheduler_steps > 1
+        self.prev = torch.zeros(b, dtype=i64, device=dev)  # [b]: the burst graphs' input tokens
+        self.burst_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.burst_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits [s, V], argmax [s]
 
     def _run_model(self, n: int) -> torch.Tensor:
         r = self.runner
@@ -95,6 +102,13 @@ class DecodeGraphs:
                         self.greedy[n] = greedy_argmax(self.outputs[n])  # [n] int64
                 pool = graph.pool()
                 self.graphs[n] = graph
+                if self.bursts:  # the static buffers hold padding here (slot -1), so the warm-up advances nothing
+                    self._burst_body(n)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.burst_outputs[n] = self._burst_body(n)
+                    self.burst_graphs[n] = graph
             torch.cuda.synchronize()
         finally:
             if enabled:
@@ -117,6 +131,19 @@ class DecodeGraphs:
         by the next replay of the same bucket), or None when the graphs do not take it."""
         g = self.greedy.get(self.bucket[n])
         return None if g is None else g[:n]
+
+    def _burst_body(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        advance_static_inputs(self, n, self.runner.config.block_size)
+        logits = self._run_model(n)
+        return logits, greedy_argmax(logits)
+
+    def replay_burst(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A burst's next step for n staged decodes, input ids from prev[:n] -> (logits [n, vocab],
+        their argmax [n] int64; static buffers, rewritten by the next replay of the bucket)."""
+        size = self.bucket[n]
+        self.burst_graphs[size].replay()
+        logits, greedy = self.burst_outputs[size]
+        return logits[:n], greedy[:n]
 
     def replay(self, n: int) -> torch.Tensor:
         """Run the bucket graph for n staged decodes -> logits [n, vocab]."""

@@ -31,3 +31,5 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8": e4m3 with per-token scales (layers/kv_cache.py)
     async_scheduling: bool = True  # launch step N + 1 before reading step N's tokens (async_step.py);
     # off under tensor parallelism. H200, V2-Lite shape: batch-1 decode +8-12%, 64 concurrent +14-18%
+    num_scheduler_steps: int = 1  # > 1: decode batches run up to this many steps per launch (multi_step.py);
+    # off under tensor parallelism

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dsquant.errors import DsquantError
+from dsquant.runtime.engine.multi_step import burst_steps
 from dsquant.runtime.engine.async_step import LaunchedStep, launch_step, must_drain
 from dsquant.runtime.engine.block_manager import BlockManager
 from dsquant.data.tokenizer import backend_tokenizer
@@ -106,6 +107,8 @@ class LLMEngine:
         (and on this process at tensor_parallel_size 1)."""
         c = config or EngineConfig()
         self.config = c = replace(c, kv_cache_dtype=check_kv_cache_dtype(c.kv_cache_dtype))
+        if c.num_scheduler_steps < 1:
+            raise DsquantError(f"num_scheduler_steps must be >= 1, got {c.num_scheduler_steps}")
         self.path = Path(model_path)
         device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.workers = None  # runtime.parallel.launch.Workers when tensor_parallel_size > 1
@@ -141,6 +144,7 @@ class LLMEngine:
         self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
         self._ids = itertools.count()
         self.async_scheduling = c.async_scheduling and self.workers is None
+        self.num_scheduler_steps = c.num_scheduler_steps if self.workers is None else 1
         self.pending: LaunchedStep | None = None  # launched, tokens not read yet (async scheduling)
         self.step_times: StepTimes | None = None  # set by time_steps(): each step's host / GPU split
 
@@ -264,7 +268,11 @@ class LLMEngine:
         if pending is not None and must_drain(pending, self.scheduler):
             outputs, pending = self._finish_step(pending), None
         batch = self.scheduler.schedule()
-        launched = launch_step(self.runner, batch, self.max_model_len, pending) if batch.seqs else None
+        launched = None
+        if batch.seqs:
+            steps = (burst_steps(batch, self.scheduler, self.num_scheduler_steps, self.max_model_len)
+                     if self.num_scheduler_steps > 1 else 1)
+            launched = launch_step(self.runner, batch, self.max_model_len, pending, steps)
         if pending is not None:
             outputs = self._finish_step(pending)  # the GPU runs `launched` meanwhile
         if launched is not None and (not self.async_scheduling or not self.scheduler.has_unfinished()):
@@ -282,6 +290,8 @@ class LLMEngine:
         if rec is not None:
             rec.wait_s += time.perf_counter() - wait
         now, outputs, bm = time.monotonic(), [], self.block_manager
+        if step.steps > 1:
+            return self._finish_burst(step, list(tokens), now)
         for seq, index in zip(step.seqs, step.token_index):
             if index < 0:
                 if not seq.is_finished:
@@ -291,24 +301,59 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             seq.token_ids[index] = token
-            bm.register_full_blocks(seq)
+            bm.register_full_blocks(seq, index + 1)  # a pending burst's placeholders follow
             seq.first_token_time = seq.first_token_time or now
-            _, detok = self.requests[seq.request_id]
-            stop_token = self._is_stop_token(seq, token)
-            delta = detok.add([] if stop_token else [token]) if detok is not None else ""
-            reason = self._check_stop(seq, stop_token, detok, index + 1)
-            if reason is not None:
-                delta += detok.flush() if detok is not None else ""  # text held back for a stop string
-                self.scheduler.finish(seq, reason)
-                del self.requests[seq.request_id]
-            outputs.append(RequestOutput(
-                request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, new_token_ids=[token],
-                delta_text=delta, finished=reason is not None, finish_reason=reason,
-                num_cached_tokens=seq.num_cached_tokens,
-                metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time},
-                prompt_logprobs=seq.prompt_logprobs,
-                cumulative=_Cumulative(seq, index + 1, detok,
-                                       None if reason is not None or detok is None else detok.length)))
+            outputs.append(self._accept(seq, [token], index))
+        return outputs
+
+    def _accept(self, seq: Sequence, new: list[int], index: int) -> RequestOutput:
+        """Detokenize and stop-check seq's new tokens (already in seq.token_ids from `index`); the
+        output of those up to the first stop (a burst's later tokens are dropped)."""
+        _, detok = self.requests[seq.request_id]
+        kept, stop_token = len(new), False
+        for j, token in enumerate(new):
+            if self._is_stop_token(seq, token):
+                kept, stop_token = j + 1, True
+                break
+        text_ids = new[:kept - 1] if stop_token else new
+        if detok is None:
+            delta = ""
+        elif not detok.stop or len(text_ids) < 2:
+            delta = detok.add(text_ids)
+        else:  # stop strings: token by token, so the one that completes a stop string ends the output there
+            delta = ""
+            for j, token in enumerate(text_ids):
+                delta += detok.add([token])
+                if detok.stopped_on is not None:
+                    kept = j + 1
+                    break
+        reason = self._check_stop(seq, stop_token, detok, index + kept)
+        if reason is not None:
+            delta += detok.flush() if detok is not None else ""  # text held back for a stop string
+            if kept < len(new):  # a burst's tokens after the stop: dropped
+                del seq.token_ids[index + kept:]
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, new_token_ids=new[:kept],
+            delta_text=delta, finished=reason is not None, finish_reason=reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time},
+            prompt_logprobs=seq.prompt_logprobs,
+            cumulative=_Cumulative(seq, index + kept, detok,
+                                   None if reason is not None or detok is None else detok.length))
+
+    def _finish_burst(self, step: LaunchedStep, tokens: list[int], now: float) -> list[RequestOutput]:
+        """_finish_step for a multi-step burst: tokens [steps * S] step-major."""
+        width, outputs, bm = len(tokens) // step.steps, [], self.block_manager
+        for k, (seq, index) in enumerate(zip(step.seqs, step.token_index)):
+            if seq.is_finished:
+                continue
+            new = tokens[k::width]  # [steps]
+            seq.token_ids[index:index + len(new)] = new
+            bm.register_full_blocks(seq, index + len(new))
+            seq.first_token_time = seq.first_token_time or now
+            outputs.append(self._accept(seq, new, index))
         return outputs
 
     def stats(self) -> dict:

@@ -22,6 +22,7 @@ import torch
 
 from dsquant.models.layers import PagedAttentionBackend
 from dsquant.runtime.engine.async_step import SampledTokens, TokenReadback
+from dsquant.runtime.engine.multi_step import run_burst
 from dsquant.runtime.engine.packed_copy import PackedCopy
 from dsquant.runtime.engine.penalties import PenaltyTensors
 from dsquant.runtime.engine.sampler import SamplingTensors, sample
@@ -42,6 +43,7 @@ class RunnerConfig:
     enforce_eager: bool = True
     cuda_graph_max_batch: int = 64
     kv_cache_dtype: str = "auto"  # "auto" (dtype) or "fp8" (layers/kv_cache.py)
+    num_scheduler_steps: int = 1  # > 1: the decode graphs also capture burst steps (multi_step.py)
 
 
 @dataclass
@@ -244,10 +246,11 @@ class ModelRunner:
         return [] if tokens is None else tokens.tolist()
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> SampledTokens | None:
+    def launch(self, batch: ScheduledBatch, steps: int = 1) -> SampledTokens | None:
         """Queue one step up to its sampled tokens (each sampling sequence's, in batch order) and
         their copy to the host; None when no sequence samples. Logprobs, when asked for, are read
-        back here (a sync)."""
+        back here (a sync). steps > 1: a burst of that many decode steps (multi_step.py), its tokens
+        [steps * S], step-major."""
         inputs = self.prepare(batch)
         inputs.penalties = PenaltyTensors.from_seqs(inputs.sampling_seqs, self.cfg.vocab_size, self.config.device)
         rec = self.step_times.current if self.step_times is not None else None
@@ -255,6 +258,27 @@ class ModelRunner:
         if rec is not None and self.config.device.type == "cuda":
             gpu = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             gpu[0].record()
+        tokens, logits = self._forward_sample(inputs)
+        if tokens is None:
+            return None
+        n_sample = len(inputs.sampling_seqs)
+        if steps > 1:
+            tokens = run_burst(self, inputs, tokens, steps)
+        if rec is not None:
+            rec.rows, rec.steps = n_sample, steps
+            if gpu is not None:
+                gpu[1].record()
+                rec.gpu = gpu
+        want = [i for i, s in enumerate(inputs.sampling_seqs) if s.logprobs is not None]
+        if want:
+            rows = torch.tensor(want, device=logits.device)
+            for i, entry in zip(want, _logprobs(logits[rows], tokens[rows], inputs.sampling_seqs, want, "logprobs")):
+                inputs.sampling_seqs[i].logprobs.append(entry)
+        return self.readback.start(tokens)  # the step's one device -> host read (more for logprobs)
+
+    def _forward_sample(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One forward of `inputs` (the graph's replay when staged there) and its sampling ->
+        (tokens [S] int64 or None when no row samples, the sampled rows' logits [S, vocab])."""
         greedy = None
         if inputs.graph:
             logits = self.graphs.replay(inputs.input_ids.shape[0])
@@ -265,20 +289,10 @@ class ModelRunner:
         if inputs.prompt_spans:
             self._record_prompt_logprobs(inputs, logits[n_sample:])
         if not inputs.sampling_seqs:
-            return None
+            return None, logits
         logits = logits[:n_sample]
-        tokens = sample(logits, inputs.sampling, self.generator, inputs.penalties, greedy=greedy)  # outside any CUDA graph
-        if rec is not None:
-            rec.rows = n_sample
-            if gpu is not None:
-                gpu[1].record()
-                rec.gpu = gpu
-        want = [i for i, s in enumerate(inputs.sampling_seqs) if s.logprobs is not None]
-        if want:
-            rows = torch.tensor(want, device=logits.device)
-            for i, entry in zip(want, _logprobs(logits[rows], tokens[rows], inputs.sampling_seqs, want, "logprobs")):
-                inputs.sampling_seqs[i].logprobs.append(entry)
-        return self.readback.start(tokens)  # the step's one device -> host read (more for logprobs)
+        # outside any CUDA graph
+        return sample(logits, inputs.sampling, self.generator, inputs.penalties, greedy=greedy), logits
 
     def _record_prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> None:
         """logits [sum of span counts, vocab]: score prompt tokens start+1 .. start+count of each span."""

@@ -3,6 +3,7 @@
 With `LLMEngine.step_times = StepTimes()` set, every engine.step() call that launches a step records
 one StepRecord:
 - `rows`: the sequences the launched step samples for (a batch-B decode step has B);
+- `steps`: the decode steps the launch ran (> 1: a multi-step burst, multi_step.py);
 - `wall_s`: the wall time of the whole step() call;
 - `wait_s`: the time the host spent in it waiting for sampled tokens (SampledTokens.tolist), so
   `wall_s - wait_s` is the host's own work: scheduling, input preparation, launches, post-processing;
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 @dataclass
 class StepRecord:
     rows: int
+    steps: int = 1
     wall_s: float = 0.0
     wait_s: float = 0.0
     cpu_s: float = 0.0
@@ -41,13 +43,14 @@ class StepTimes:
 
     def split(self, rows: int, since: int = 0) -> dict[str, float] | None:
         """Medians over the steps from records[since] on that sampled `rows` sequences, in
-        microseconds: wall, host (wall minus the wait for tokens) and gpu (NaN on CPU); None when no
-        such step. Reads the CUDA events, so it synchronizes on them: call it after the timed runs."""
+        microseconds per decode step (a burst's times divided by its steps): wall, host (wall minus
+        the wait for tokens) and gpu (NaN on CPU); None when no such step. Reads the CUDA events, so
+        it synchronizes on them: call it after the timed runs."""
         recs = [r for r in self.records[since:] if r.rows == rows]
         if not recs:
             return None
-        gpu = [r.gpu[0].elapsed_time(r.gpu[1]) * 1e3 for r in recs if r.gpu is not None]
+        gpu = [r.gpu[0].elapsed_time(r.gpu[1]) * 1e3 / r.steps for r in recs if r.gpu is not None]
         return {"steps": len(recs),
-                "wall_us": statistics.median(r.wall_s for r in recs) * 1e6,
-                "host_us": statistics.median(r.wall_s - r.wait_s for r in recs) * 1e6,
+                "wall_us": statistics.median(r.wall_s / r.steps for r in recs) * 1e6,
+                "host_us": statistics.median((r.wall_s - r.wait_s) / r.steps for r in recs) * 1e6,
                 "gpu_us": statistics.median(gpu) if gpu else float("nan")}
