@@ -130,7 +130,8 @@ def engine_config(opts: dict, **extra):
     return EngineConfig(
         device=opts["device"], dtype=getattr(torch, dtype) if dtype else None, max_model_len=opts["max_model_len"],
         tensor_parallel_size=opts["tensor_parallel_size"], async_scheduling=opts["async_scheduling"],
-        enforce_eager=opts["enforce_eager"], num_scheduler_steps=opts["num_scheduler_steps"], seed=opts["seed"] if opts["seed"] is not None else 0,
+        enforce_eager=opts["enforce_eager"], num_scheduler_steps=opts["num_scheduler_steps"],
+        seed=opts["seed"] if opts["seed"] is not None else 0,
         max_num_batched_tokens=opts["max_num_batched_tokens"],
         long_prefill_token_threshold=opts["long_prefill_token_threshold"],
         enable_prefix_caching=opts["enable_prefix_caching"],

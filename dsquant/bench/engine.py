@@ -79,7 +79,7 @@ def run_requests(engine, prompts: list[list[int]], output_len: int) -> dict:
     run = timed_generate(engine, prompts, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
     gaps = run.token_gaps()
     if engine.num_scheduler_steps > 1:  # a burst's tokens arrive together: each request's mean gap
-        gaps = [(r.finished_at - r.token_times[0]) / (r.output_tokens - 1) for r in run.requests if r.output_tokens > 1]
+        gaps = [r.tpot_s for r in run.requests if r.output_tokens > 1]
     return {"wall_s": run.wall_s, "output_tokens": run.output_tokens, "output_tok_s": run.output_tokens / run.wall_s,
             "ttft_s": statistics.median(run.ttfts()),
             "tpot_ms": 1e3 * statistics.median(gaps) if gaps else None, "peak_kv_blocks": run.peak_kv_blocks}

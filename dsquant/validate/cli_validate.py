@@ -68,8 +68,7 @@ def _finish(rows, paths) -> None:
 @tensor_parallel_option()
 def validate(artifacts, baseline, eval_set, max_ppl_increase, out_dir, device, window, stride,
              max_eval_tokens, no_latency, latency_rounds, num_scheduler_steps, no_peers, lm_eval, lm_eval_limit,
-             kv_cache_dtype,
-             tensor_parallel_size):
+             kv_cache_dtype, tensor_parallel_size):
     """Accuracy (perplexity, KL, top-1) against latency (TTFT, TPOT, tok/s) for each ARTIFACT.
 
     With --kv-cache-dtype fp8 the artifacts run with the FP8 KV cache (the baseline with the model

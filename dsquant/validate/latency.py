@@ -130,8 +130,7 @@ def _settle(engine: LLMEngine, vocab: int, device: str, max_s: float = 15.0) -> 
         return
     prev, start = None, time.perf_counter()
     while time.perf_counter() - start < max_s:
-        req = _run(engine, _prompts(1, 8, vocab, 96), 32).requests[0]
-        tpot = (req.finished_at - req.token_times[0]) / (req.output_tokens - 1)  # bursts: tokens come in groups
+        tpot = _run(engine, _prompts(1, 8, vocab, 96), 32).requests[0].tpot_s
         if prev is not None and abs(tpot - prev) <= 0.05 * prev:
             return
         prev = tpot
@@ -147,8 +146,7 @@ def _timed(engine: LLMEngine, spec: LatencySpec, vocab: int, device: str) -> Lat
         ttfts.append(_run(engine, _prompts(1, spec.ttft_input, vocab, r), 1).ttfts()[0])
         mark = len(times.records) if times is not None else 0  # only the decode runs' steps count
         run = _run(engine, _prompts(1, 8, vocab, 100 + r), spec.tpot_output)
-        req = run.requests[0]
-        tpots.append((req.finished_at - req.token_times[0]) / max(req.output_tokens - 1, 1))
+        tpots.append(run.requests[0].tpot_s)
         if spec.split_steps:
             split.setdefault(1, []).append(times.split(1, mark))
     runs: dict[int, list[float]] = {}

@@ -103,3 +103,34 @@ class DictReader:
 
     def __contains__(self, key):
         return key in self.tensors
+
+
+def eager_graphs_class():
+    """A fresh DecodeGraphs stand-in class (its own replay counters) for the decode-graph path on CPU:
+    replay runs the model eagerly on the graphs' static buffers, with the host lengths torch attention
+    reads; replay_burst first advances those buffers one step as the burst graphs' head does."""
+    from dsquant.runtime.engine.cuda_graph import DecodeGraphs
+    from dsquant.runtime.engine.multi_step import advance_static_inputs
+    from dsquant.runtime.engine.sampler import greedy_argmax
+    from dsquant.runtime.layers.attention import PagedContext
+
+    class EagerGraphs(DecodeGraphs):
+        replays = bursts = 0
+
+        def replay(self, n):
+            EagerGraphs.replays += 1
+            r, lens = self.runner, self.seq_lens[:n].tolist()
+            cos, sin = r.model.rope_cos_sin(self.positions[None, :n])
+            ctx = PagedContext(cos=cos, sin=sin, slot_mapping=self.slot_mapping[:n],
+                               block_tables=self.block_tables[:n], seq_lens=self.seq_lens[:n],
+                               cu_seqlens_q=self.cu_seqlens_q[:n + 1], max_seq_len=max(lens), is_decode=True,
+                               q_lens_host=[1] * n, seq_lens_host=lens)
+            return r.forward(self.input_ids[:n], self.positions[:n], ctx, self.rows[:n])
+
+        def replay_burst(self, n):
+            EagerGraphs.bursts += 1
+            advance_static_inputs(self, self.bucket[n], self.runner.config.block_size)
+            logits = self.replay(n)
+            return logits, greedy_argmax(logits)
+
+    return EagerGraphs

@@ -10,7 +10,7 @@ import torch
 from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
 
-from conftest import random_prompts
+from conftest import eager_graphs_class, random_prompts
 
 
 def engine(path, async_scheduling: bool, **kw) -> LLMEngine:
@@ -25,10 +25,10 @@ def count_launches(eng: LLMEngine) -> dict:
     stats = {"launches": 0, "ahead": 0, "sampled": 0}
     launch = eng.runner.launch
 
-    def counted(batch):
+    def counted(batch, steps=1):
         stats["launches"] += 1
         stats["ahead"] += batch.prev_tokens is not None
-        out = launch(batch)
+        out = launch(batch, steps)
         stats["sampled"] += 0 if out is None else out.device.shape[0]
         return out
 
@@ -287,22 +287,7 @@ def test_graph_path_fills_placeholders_in_the_static_buffers(tiny_models):
     """The decode-graph path on CPU, through a stand-in whose replay runs the model eagerly on the
     graphs' static buffers: placeholder input ids are filled there from the previous step's
     tokens (in order and out of order) and every output equals the sync engine's."""
-    from dsquant.runtime.engine.cuda_graph import DecodeGraphs
-    from dsquant.runtime.layers.attention import PagedContext
-
-    class EagerGraphs(DecodeGraphs):
-        replays = 0
-
-        def replay(self, n):  # the graph's forward, with the host lengths torch attention reads
-            EagerGraphs.replays += 1
-            r, lens = self.runner, self.seq_lens[:n].tolist()
-            cos, sin = r.model.rope_cos_sin(self.positions[None, :n])
-            ctx = PagedContext(cos=cos, sin=sin, slot_mapping=self.slot_mapping[:n],
-                               block_tables=self.block_tables[:n], seq_lens=self.seq_lens[:n],
-                               cu_seqlens_q=self.cu_seqlens_q[:n + 1], max_seq_len=max(lens), is_decode=True,
-                               q_lens_host=[1] * n, seq_lens_host=lens)
-            return r.forward(self.input_ids[:n], self.positions[:n], ctx, self.rows[:n])
-
+    EagerGraphs = eager_graphs_class()
     _, path = tiny_models["llama"]
     prompts = random_prompts(7, [9, 14, 3, 30, 1], seed=1)
     params = [SamplingParams(max_tokens=3 + 2 * (i % 4), temperature=0 if i % 3 else 0.9, seed=i, ignore_eos=True)

@@ -10,7 +10,7 @@ from dsquant.errors import DsquantError
 from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
 
-from conftest import random_prompts
+from conftest import eager_graphs_class, random_prompts
 from test_async_scheduling import assert_no_leak, streams
 
 
@@ -173,30 +173,7 @@ def test_graph_path_bursts_equal_single_steps(tiny_models):
     """The decode-graph path of a burst on CPU: DecodeGraphs' static buffers, staged by prepare and
     advanced by advance_static_inputs (what the burst graphs capture), with each replay run eagerly.
     Greedy and seeded rows, requests joining and leaving (bucket padding rows stay inert)."""
-    from dsquant.runtime.engine.cuda_graph import DecodeGraphs
-    from dsquant.runtime.engine.multi_step import advance_static_inputs
-    from dsquant.runtime.engine.sampler import greedy_argmax
-    from dsquant.runtime.layers.attention import PagedContext
-
-    class EagerGraphs(DecodeGraphs):
-        replays = bursts = 0
-
-        def replay(self, n):  # the graph's forward, with the host lengths torch attention reads
-            EagerGraphs.replays += 1
-            r, lens = self.runner, self.seq_lens[:n].tolist()
-            cos, sin = r.model.rope_cos_sin(self.positions[None, :n])
-            ctx = PagedContext(cos=cos, sin=sin, slot_mapping=self.slot_mapping[:n],
-                               block_tables=self.block_tables[:n], seq_lens=self.seq_lens[:n],
-                               cu_seqlens_q=self.cu_seqlens_q[:n + 1], max_seq_len=max(lens), is_decode=True,
-                               q_lens_host=[1] * n, seq_lens_host=lens)
-            return r.forward(self.input_ids[:n], self.positions[:n], ctx, self.rows[:n])
-
-        def replay_burst(self, n):
-            EagerGraphs.bursts += 1
-            advance_static_inputs(self, self.bucket[n], self.runner.config.block_size)
-            logits = self.replay(n)
-            return logits, greedy_argmax(logits)
-
+    EagerGraphs = eager_graphs_class()
     _, path = tiny_models["llama"]
     prompts = random_prompts(7, [9, 14, 3, 30, 1], seed=1)
     params = [SamplingParams(max_tokens=3 + 4 * (i % 4), temperature=0 if i % 3 else 0.9, seed=i, ignore_eos=True)

@@ -108,7 +108,7 @@ def launch_step(runner, batch: ScheduledBatch, max_model_len: int,
     steps > 1: a burst of decode steps; sampling row k of step j is the placeholder -(j S + k + 1)."""
     samples = batch.samples()
     batch.prev_tokens = pending.tokens.device if pending is not None and pending.tokens is not None else None
-    tokens = runner.launch(batch, steps) if steps > 1 else runner.launch(batch)
+    tokens = runner.launch(batch, steps)
     width = sum(samples)
     token_index, k = [], 0
     for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, samples):

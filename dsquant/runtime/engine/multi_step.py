@@ -41,7 +41,7 @@ from dataclasses import replace
 import torch
 
 from dsquant.runtime.engine.sampler import sample
-from dsquant.runtime.kernels.ops.advance_step import advance_step
+from dsquant.runtime.kernels.ops.advance_step import advance_step, cache_slots
 from dsquant.runtime.engine.scheduler import ScheduledBatch, Scheduler
 
 
@@ -105,13 +105,8 @@ def advance_eager_inputs(runner, inputs, tokens: torch.Tensor) -> None:
     ctx, bs = inputs.ctx, runner.config.block_size
     positions = inputs.positions + 1  # [S]
     cos, sin = runner.model.rope_cos_sin(positions[None])  # [1, S, rot/2]
-    inputs.ctx = replace(ctx, cos=cos, sin=sin, slot_mapping=_slots(ctx.block_tables, positions, bs),
+    inputs.ctx = replace(ctx, cos=cos, sin=sin, slot_mapping=cache_slots(ctx.block_tables, positions, bs),
                          seq_lens=ctx.seq_lens + 1, max_seq_len=ctx.max_seq_len + 1,
                          seq_lens_host=[n + 1 for n in ctx.seq_lens_host])
     inputs.input_ids, inputs.positions = tokens, positions
 
-
-def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """block_tables [n, W] int32, positions [n] int64 -> the cache slot of each position [n] int64."""
-    blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0].to(torch.int64)
-    return blocks * block_size + positions % block_size

@@ -30,6 +30,12 @@ class RequestTimes:
     def output_tokens(self) -> int:
         return len(self.token_times)
 
+    @property
+    def tpot_s(self) -> float:
+        """Mean seconds per output token after the first, (finished_at - first token) / (tokens - 1):
+        also right when several tokens arrive at once (multi-step bursts), where gaps are zero."""
+        return (self.finished_at - self.token_times[0]) / max(self.output_tokens - 1, 1)
+
 
 @dataclass
 class TimedRun:

@@ -50,5 +50,11 @@ def advance_step_reference(prev, input_ids, positions, seq_lens, slots, block_ta
     input_ids.copy_(torch.where(live, prev, input_ids))
     positions += live
     seq_lens += live
-    blocks = block_tables.gather(1, (positions // block_size)[:, None].clamp(max=block_tables.shape[1] - 1))[:, 0]
-    slots.copy_(torch.where(live, blocks.to(torch.int64) * block_size + positions % block_size, slots))
+    slots.copy_(torch.where(live, cache_slots(block_tables, positions, block_size), slots))
+
+
+def cache_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """block_tables [n, W] int32, positions [n] int64 -> the cache slot of each position [n] int64
+    (a position past the table reads its last column: padding rows only)."""
+    index = (positions // block_size)[:, None].clamp(max=block_tables.shape[1] - 1)
+    return block_tables.gather(1, index)[:, 0].to(torch.int64) * block_size + positions % block_size
