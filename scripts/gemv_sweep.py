@@ -6,7 +6,7 @@ CUDA-graph replay medians on the same inputs; checks each candidate's output aga
 product with the dequantized weight; writes every timing and the best config per (kind, n, k, m)
 to OUT.json. FP8 block (--fp8): peers bf16 and the tiled FP8 kernel; candidates
 gemm_configs.fp8_gemv_candidates, checked against the W8A8 tiled kernel's output.
-W4A16 weights are in the kernel layout's k-sliced code order (what the loader builds for K % 128 ==
+W4A16 weights are in the kernel layout's paired code order (int4_paired.py) (what the loader builds for K % 128 ==
 0), so the candidates run the sliced GEMV; --plain also times the plain-order GEMV's candidates on
 the same codes (kind "w4a16plain_gemv"), --v2lite adds V2-Lite's attention / dense-MLP shapes
 (2048 x 3648 fused q + kv_a, 2048 x 2048 o_proj, 512 x 4096 kv_b, 2048 x 21888 dense gate_up), and

@@ -1,4 +1,4 @@
-"""H200 probe of the k-sliced W4A16 MMA kernel (w4a16_mma.py) against bf16 cuBLAS, tinygemm and the
+"""H200 probe of the paired-order W4A16 MMA kernel (w4a16_mma.py) against bf16 cuBLAS, tinygemm and the
 current w4a16_linear, on varied-scale weights; sweeps its launch configs and records the compiled
 code's shared-memory traffic.
 
@@ -6,7 +6,7 @@ code's shared-memory traffic.
         [--warps 2,4] [--splits 2,4,8] [--stages 3]
 
 Each row has the sweep config's time (us), bf16 cuBLAS (bf16_us), the old plain-order path (cur_us) and
-w4a16_linear on the engine's k-sliced weight, i.e. what gemm_configs dispatches today (rule_us). --cold MB
+w4a16_linear on the engine's paired-order weight, i.e. what gemm_configs dispatches today (rule_us). --cold MB
 cycles enough weight copies per timed call that they come from HBM, as each layer's do in the engine (the
 warm default times one L2-resident weight: the twenty-first session's warm winners did not move the engine).
 
@@ -101,7 +101,7 @@ def configs(m, wide=False, warps=(4,), splits=(1, 2, 4, 8, 16), stage_list=(3, 4
 
 
 def decode_rows(args) -> None:
-    """M = 1, 2 at each shape: the old plain-order GEMV, the k-sliced GEMV and the k-sliced MMA kernel
+    """M = 1, 2 at each shape: the old plain-order GEMV, the paired-order GEMV and the paired-order MMA kernel
     (16-token tile, tuned config), graph medians, into OUT.json."""
     from dsquant.runtime.kernels.gemm.gemm_configs import GemmConfig, w4a16_config
     rows = []
@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument("--stages", default="3,4", help="comma list of num_stages to sweep")
     ap.add_argument("--wide", action="store_true", help="sweep wider tiles and 8 warps (paired only)")
     ap.add_argument("--decode", action="store_true",
-                    help="only M = 1, 2: the plain-order GEMV against the k-sliced GEMV and MMA kernel")
+                    help="only M = 1, 2: the plain-order GEMV against the paired-order GEMV and MMA kernel")
     ap.add_argument("--prefetch-ab", action="store_true",
                     help="tuned configs with the zeros / scales prefetch on and off")
     args = ap.parse_args()

@@ -236,15 +236,18 @@ def test_w4a16_gpu_gptq_act_order_bf16(n, k, group):
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_slice_codes_round_trip_and_order(group):
-    """The k-sliced order: word 16c + w holds k = 128c + 16i + w in nibble i, and unslice inverts it;
-    repack picks it exactly when K % 128 == 0 and G <= 128."""
+    """The paired order: word 16c + i holds k = 128c + 32 (j % 4) + 2i + j // 4 in nibble j (every word
+    and nibble checked), and unslice inverts it; repack picks it exactly when K % 128 == 0 and G <= 128."""
     from dsquant.runtime.kernels.gemm.w4a16_repack import slice_codes, unslice_codes
 
-    q = torch.randint(0, 16, (24, 256), dtype=torch.int32)
+    q = torch.randint(0, 16, (24, 256), dtype=torch.int32, generator=torch.Generator().manual_seed(group))
     words = slice_codes(q)
     assert torch.equal(unslice_codes(words), q)
-    c, w, i = 1, 5, 6
-    assert (int(words[3, 16 * c + w]) >> (4 * i)) & 0xF == int(q[3, 128 * c + 16 * i + w])
+    for j in range(8):
+        for i in range(16):
+            k = 32 * (j % 4) + 2 * i + j // 4
+            got = (words[:, [i, 16 + i]] >> (4 * j)) & 0xF  # [24, 2]: chunks 0 and 1
+            assert torch.equal(got, q[:, [k, 128 + k]]), (j, i)
     assert _awq_weights(72, 256, group, "cpu", seed=1)[0].sliced
     assert not _awq_weights(72, 5 * 64, 64, "cpu", seed=1)[0].sliced  # K = 320: plain order
 
@@ -284,7 +287,7 @@ def test_w4a16_sliced_config_paths_by_token_count():
 
 @pytest.mark.parametrize("m,group,cfg", SLICED_CASES)
 def test_w4a16_sliced_matches_reference(device, m, group, cfg):
-    """Weights in the k-sliced order on every path (GEMV, the MMA kernel with uneven split-K,
+    """Weights in the paired order on every path (GEMV, the MMA kernel with uneven split-K,
     dequantize + cuBLAS) equal x @ W^T into a poisoned output; N = 136, K = 384 (3 chunks)."""
     n, k = 136, 384
     packed, dense = _awq_weights(n, k, group, device, seed=m * 100 + group)
@@ -298,7 +301,7 @@ def test_w4a16_sliced_matches_reference(device, m, group, cfg):
 @pytest.mark.parametrize("m,cfg", [(1, None), (6, None), (33, None), (2, GemmConfig(2, 32, 2, 2, 1, path="gemv")),
                                    (2, GemmConfig(2, 16, 1, 2, 1, path="gemv_kblock", k_chunks=2))])
 def test_w4a16_sliced_gptq_act_order(device, m, cfg):
-    """GPTQ act-order on the k-sliced order (K = 256, G = 64): the MMA kernel and the GEMV gather
+    """GPTQ act-order on the paired order (K = 256, G = 64): the MMA kernel and the GEMV gather
     x[:, perm]."""
     packed, dense = _act_order_gptq(72, 256, 64, device, seed=m)
     assert packed.sliced and packed.perm is not None

@@ -124,7 +124,8 @@ def w4a16_gemv_config(m: int, n: int, k: int, group_size: int, device=None) -> G
     return GemmConfig(triton_next_pow2(m), 64 if m == 1 else 32, fit_split(k // group_size, 2), 2, 1, path="gemv")
 
 
-# The k-sliced MMA kernel (w4a16_mma.py) on the H200 (2026-12-03, triton 3.6, scripts/w4a16_mma_probe.py
+# The MMA kernel (w4a16_mma.py; measured on the k-sliced code order the paired one replaced) on the H200
+# (2026-12-03, triton 3.6, scripts/w4a16_mma_probe.py
 # over block_n 64/128, split 1-16, 3-4 stages; graph medians at the bucket's largest measured M in the
 # comments), {(m_bucket, n, k): GemmConfig}. Shapes not listed take _sliced_config's rule, which the
 # same sweep favoured: 64 channels and split 8 to 16 tokens, 128 channels above, >= 4 chunks a split.
@@ -157,7 +158,7 @@ TUNED_SLICED_SM90: dict = {
 }
 
 
-# Decode sizes where the GEMV over the k-sliced order (w4a16_gemv._w4a16_gemv_sliced_kernel) beats the
+# Decode sizes where the GEMV over the kernel code order (w4a16_gemv._w4a16_gemv_sliced_kernel) beats the
 # MMA kernel's 16-token tile, from `scripts/gemv_sweep.py --quick --plain --v2lite --m 1,2` on the H200
 # (2026-12-04, graph medians, sliced GEMV / MMA default / plain-order GEMV, us): M = 1 on every shape
 # within 4% or better (7168x18432 37.2 / 43.7 / 36.3; 2048x3648 5.22 / 6.51; 2048x2048 4.37 / 5.81;
@@ -201,7 +202,7 @@ def _sliced_config(m: int, n: int, k: int, device) -> GemmConfig:
 
 
 def w4a16_config(m: int, n: int, k: int, group_size: int, device=None, sliced: bool = False) -> GemmConfig:
-    """The path and launch config for M tokens; `sliced`: the weight is in the k-sliced code order.
+    """The path and launch config for M tokens; `sliced`: the weight is in the paired code order (int4_paired.py).
 
     Sliced weights take the K-block GEMV at M = 1 on small weights (KBLOCK_MAX_K / _N), the
     one-chunk sliced-order GEMV at M = 1 otherwise and at M = 2 on small weights

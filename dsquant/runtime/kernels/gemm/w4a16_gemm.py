@@ -13,8 +13,8 @@ bit operation. Zero point and scale are applied once per group and output, outsi
 with the dot accumulated in fp32, so the per-element dequant cost is a shift, a mask and an OR.
 
 This kernel reads the plain code order (shapes where K % 128 != 0 or G > 128); weights in the
-k-sliced order (W4A16Weights.sliced) take w4a16_mma.py's kernel instead, for every M below the
-dequantize path except the decode sizes where the sliced-order GEMV wins (gemm_configs.w4a16_config).
+paired order (W4A16Weights.sliced) take w4a16_mma.py's kernel instead, for every M below the
+dequantize path except the decode sizes where the paired-order GEMVs win (gemm_configs.w4a16_config).
 Paths for plain-order weights, chosen by M through gemm_configs.w4a16_config: M <= 2, the GEMV of w4a16_gemv.py (no
 tensor cores); decode (M <= 64) tiles of 16..64 tokens
 with split-K over groups (splitk.store_tile) to cover every multiprocessor; prefill tiles of
@@ -121,7 +121,8 @@ def _w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, stride_qn, stride_sg, 
 @triton.jit
 def _w4a16_dequant_sliced_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, stride_qn, stride_sg, stride_zg,
                                  stride_wn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The same over the k-sliced code order; one 128-wide chunk per program."""
+    """The same over the paired code order (int4_paired.py); one 128-wide chunk per program, its
+    nibble planes j and j + 4 written together as 32 consecutive channels."""
     pid_n = tl.program_id(0)
     c = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -129,12 +130,14 @@ def _w4a16_dequant_sliced_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, stride_qn, stri
     offs_w = tl.arange(0, 16)
     qw = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (c * 16 + offs_w)[None, :],
                  mask=n_mask[:, None], other=0)  # [BN, 16]
-    for i in tl.static_range(8):
-        g = (c * 128 + 16 * i) // GROUP
+    for j in tl.static_range(4):
+        g = (c * 128 + 32 * j) // GROUP
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=0).to(tl.float32)
-        q = ((qw >> (4 * i)) & 0xF).to(tl.float32)  # [BN, 16]: input channels c * 128 + 16i + w
-        offs_k = c * 128 + 16 * i + offs_w
+        q_even = ((qw >> (4 * j)) & 0xF).to(tl.float32)  # [BN, 16]: channels c * 128 + 32j + 2w
+        q_odd = ((qw >> (4 * j + 16)) & 0xF).to(tl.float32)  # 32j + 2w + 1
+        q = tl.reshape(tl.join(q_even, q_odd), (BLOCK_N, 32))
+        offs_k = c * 128 + 32 * j + tl.arange(0, 32)
         tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
                  ((q - z[:, None]) * s[:, None]).to(w_ptr.dtype.element_ty), mask=n_mask[:, None])
 

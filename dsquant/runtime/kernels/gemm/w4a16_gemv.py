@@ -14,8 +14,8 @@ channels and a run of groups (split-K, splitk.store_tile's one-launch epilogue),
   - for each token: d = sum_k (128 + q) x in fp32, then
         sum_{k in g} (q - z) s x = s * (d - (128 + z) * sum_{k in g} x).
 The weight is read and unpacked once for all BLOCK_M tokens. `_w4a16_gemv_sliced_kernel` is the
-same over the k-sliced code order (w4a16_repack.slice_codes): a group's nibble planes are unpacked by
-in-thread joins as above, and x is gathered in the order the unpacked columns come out.
+same over the paired code order (int4_paired.py, w4a16_repack.slice_codes): a group's nibble planes
+are unpacked by in-thread joins as above, and x is gathered in the order the unpacked columns come out.
 """
 from __future__ import annotations
 
@@ -108,20 +108,31 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
 
 
 @triton.jit
-def sliced_planes_as_f32(qw, FIRST: tl.constexpr, COUNT: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr = False):
-    """words [ROWS, 16] -> fp32 [ROWS, 16 * COUNT] = 128 + q of nibble planes FIRST .. FIRST + COUNT - 1;
-    column COUNT * w + t holds plane FIRST + t of word w, i.e. input channel 16 (FIRST + t) + w of
-    the chunk. In-thread joins, as codes_as_f32 (COUNT 2, 4 or 8)."""
-    if COUNT == 8:  # every plane: the plain unpack, column 8w + t
-        w = codes_as_f32(qw, ROWS, 128, ASM)
+def paired_group_f32(qw, GI: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr = False):
+    """words [ROWS, 16] in the paired order (int4_paired.py) -> fp32 [ROWS, GROUP] = 128 + q of the chunk's
+    group GI, by in-thread joins (each adds a minor axis of 2); column col holds the group's channel
+    paired_group_channel(col)."""
+    if GROUP == 32:  # slice GI: column 2i + h, nibble GI + 4h
+        q = tl.join(_nib(qw, GI, ASM), _nib(qw, GI + 4, ASM))
+    elif GROUP == 64:  # slices 2GI + s: column 4i + 2h + s
+        q = tl.join(tl.join(_nib(qw, 2 * GI, ASM), _nib(qw, 2 * GI + 4, ASM)),
+                    tl.join(_nib(qw, 2 * GI + 1, ASM), _nib(qw, 2 * GI + 5, ASM)))
+    else:  # slices u + 2v: column 8i + 4h + 2u + v
+        q = tl.join(tl.join(tl.join(_nib(qw, 0, ASM), _nib(qw, 4, ASM)), tl.join(_nib(qw, 1, ASM), _nib(qw, 5, ASM))),
+                    tl.join(tl.join(_nib(qw, 2, ASM), _nib(qw, 6, ASM)), tl.join(_nib(qw, 3, ASM), _nib(qw, 7, ASM))))
+    return tl.reshape(q, (ROWS, GROUP))
+
+
+@triton.jit
+def paired_group_channel(col, GROUP: tl.constexpr):
+    """Column col of paired_group_f32 -> its channel, counted from the group's first (slice 32 s, word
+    i: 2i, half h: + h)."""
+    if GROUP == 32:
+        return col
+    elif GROUP == 64:
+        return 32 * (col % 2) + 2 * (col // 4) + (col // 2) % 2
     else:
-        if COUNT == 4:
-            q = tl.join(tl.join(_nib(qw, FIRST, ASM), _nib(qw, FIRST + 2, ASM)),
-                        tl.join(_nib(qw, FIRST + 1, ASM), _nib(qw, FIRST + 3, ASM)))
-        else:
-            q = tl.join(_nib(qw, FIRST, ASM), _nib(qw, FIRST + 1, ASM))
-        w = tl.reshape(q, (ROWS, 16 * COUNT))
-    return w
+        return 32 * ((col // 2) % 2 + 2 * (col % 2)) + 2 * (col // 8) + (col // 4) % 2
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -136,23 +147,22 @@ def _w4a16_gemv_sliced_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, pa
     offs_m = tl.arange(0, BLOCK_M)  # [BM]
     n_mask = offs_n < N
     offs_w = tl.arange(0, 16)  # the 16 words of a 128-wide chunk
-    PLANES: tl.constexpr = GROUP // 16  # nibble planes per group
-    col = tl.arange(0, GROUP)  # [G] column of the unpacked group: PLANES * w + t
-    k_in_chunk = 16 * (col % PLANES) + col // PLANES  # [G] its input channel, before the group's first plane
+    NG: tl.constexpr = 128 // GROUP  # groups per chunk
+    k_in_group = paired_group_channel(tl.arange(0, GROUP), GROUP)  # [G] each unpacked column's channel
 
     c_lo, c_hi = split_range(pid_k, num_chunks, split_k)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for c in range(c_lo, c_hi):
         qw = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (c * 16 + offs_w)[None, :],
                      mask=n_mask[:, None], other=0)  # [BN, 16] int32
-        for first in tl.static_range(0, 8, PLANES):  # the chunk's groups
-            g = c * (128 // GROUP) + first // PLANES
+        for gi in tl.static_range(NG):  # the chunk's groups
+            g = c * NG + gi
             s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # [BN]
             z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_mask, other=0).to(tl.float32) + 128.0
-            k_idx = c * 128 + 16 * first + k_in_chunk  # [G]
+            k_idx = c * 128 + GROUP * gi + k_in_group  # [G]
             if HAS_PERM:
                 k_idx = tl.load(perm_ptr + k_idx)
-            w = sliced_planes_as_f32(qw, first, PLANES, BLOCK_N, ASM)  # [BN, G] = 128 + q
+            w = paired_group_f32(qw, gi, GROUP, BLOCK_N, ASM)  # [BN, G] = 128 + q
             for m in tl.static_range(BLOCK_M):
                 x = tl.load(x_ptr + m * stride_xm + k_idx, mask=(k_idx >= 0) & (m < M),
                             other=0.0).to(tl.float32)  # [G], gathered in the columns' order

@@ -1,8 +1,9 @@
-"""W4A16 GEMV over the k-sliced code order, K_CHUNKS 128-channel chunks a step: y = x @ dequant(W)^T
+"""W4A16 GEMV over the paired code order, K_CHUNKS 128-channel chunks a step: y = x @ dequant(W)^T
 for decode batches of 1 or 2 tokens, no tensor cores.
 
-Layouts (w4a16_repack.py's kernel layout, sliced order): x [M, K] bf16/fp16 (unit column stride);
-qweight int32 [N, K/8], word 16c + w of row n holding in nibble j the code of k = 128c + 16j + w;
+Layouts (w4a16_repack.py's kernel layout, paired order): x [M, K] bf16/fp16 (unit column stride);
+qweight int32 [N, K/8] in the paired order, word 16c + w of row n holding in nibble j the code of
+k = 128c + 32 (j % 4) + 2w + j // 4 (int4_paired.py);
 scales [K/G, N]; zeros uint8 [K/G, N]; perm int32 [K] or None (act-order: x[:, perm[j]] meets packed
 channel j); y [M, N] in x's dtype. G is 32, 64 or 128; K % 128 == 0.
 
@@ -15,7 +16,7 @@ grid would not fill the GPU).
 
 Per block, every element of the [BLOCK_N, K_CHUNKS, 16] tile stays in its thread: nibble plane j
 becomes fp32 128 + q (w4a16_gemv.plane_f32: one shift, one lop3), d += (128 + q) x_j with x_j the
-[K_CHUNKS, 16] activation slice of plane j, and per quantization group
+[K_CHUNKS, 16] stride-2 activation slice of plane j, and per quantization group
     acc3 += s * (d - (128 + z) * sum_{k in group} x)
 elementwise, so the only cross-thread reduction is the final sum of acc3 over its last two axes.
 """
@@ -33,16 +34,19 @@ from dsquant.runtime.kernels.gemm.w4a16_gemv import plane_f32
 
 @triton.jit
 def _group_terms(qw, high, x_ptr, perm_ptr, m, M, stride_xm, chunk, c_mask, offs_w, gi: tl.constexpr,
-                 PLANES: tl.constexpr, HAS_PERM: tl.constexpr, ASM: tl.constexpr):
-    """(d [BN, KC, 16] = sum over group gi's planes of (128 + q) x, xs [KC, 16] = sum of x) for token m."""
+                 SLICES: tl.constexpr, HAS_PERM: tl.constexpr, ASM: tl.constexpr):
+    """(d [BN, KC, 16] = sum over group gi's planes of (128 + q) x, xs [KC, 16] = sum of x) for token m.
+    Group gi is slices gi * SLICES .. + SLICES - 1; slice u's planes u (even channels) and u + 4 (odd)."""
     d = tl.zeros(qw.shape, dtype=tl.float32)
     xs = tl.zeros([qw.shape[1], 16], dtype=tl.float32)
-    for jj in tl.static_range(PLANES):
-        k_idx = chunk[:, None] * 128 + 16 * (gi * PLANES + jj) + offs_w[None, :]  # [KC, 16]
+    for jj in tl.static_range(2 * SLICES):
+        u = gi * SLICES + jj % SLICES  # the slice
+        h = jj // SLICES  # the half: plane u + 4h holds channels 32u + 2w + h
+        k_idx = chunk[:, None] * 128 + 32 * u + h + 2 * offs_w[None, :]  # [KC, 16]
         if HAS_PERM:
             k_idx = tl.load(perm_ptr + k_idx, mask=c_mask[:, None], other=0)
         xj = tl.load(x_ptr + m * stride_xm + k_idx, mask=c_mask[:, None] & (m < M), other=0.0).to(tl.float32)
-        d += plane_f32(qw, high, gi * PLANES + jj, ASM) * xj[None, :, :]
+        d += plane_f32(qw, high, u + 4 * h, ASM) * xj[None, :, :]
         xs += xj
     return d, xs
 
@@ -63,7 +67,7 @@ def _w4a16_gemv_kblock_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, pa
     offs_c = tl.arange(0, K_CHUNKS)  # [KC]
     offs_w = tl.arange(0, 16)
     NG: tl.constexpr = 128 // GROUP  # groups per chunk
-    PLANES: tl.constexpr = GROUP // 16  # nibble planes per group
+    SLICES: tl.constexpr = GROUP // 32  # 32-channel slices (two nibble planes each) per group
     b_lo, b_hi = split_range(pid_k, tl.cdiv(num_chunks, K_CHUNKS), split_k)
     acc0 = tl.zeros([BLOCK_N, K_CHUNKS, 16], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, K_CHUNKS, 16], dtype=tl.float32)
@@ -81,11 +85,11 @@ def _w4a16_gemv_kblock_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, pa
             g = chunk * NG + gi  # [KC] group index
             s = tl.load(s_ptr + g[None, :] * stride_sg + offs_n[:, None], mask=sz_mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g[None, :] * stride_zg + offs_n[:, None], mask=sz_mask, other=0).to(tl.float32) + 128.0
-            d, xs = _group_terms(qw, high, x_ptr, perm_ptr, 0, M, stride_xm, chunk, c_mask, offs_w, gi, PLANES,
+            d, xs = _group_terms(qw, high, x_ptr, perm_ptr, 0, M, stride_xm, chunk, c_mask, offs_w, gi, SLICES,
                                  HAS_PERM, ASM)
             acc0 += s[:, :, None] * (d - z[:, :, None] * xs[None, :, :])
             if BLOCK_M == 2:
-                d, xs = _group_terms(qw, high, x_ptr, perm_ptr, 1, M, stride_xm, chunk, c_mask, offs_w, gi, PLANES,
+                d, xs = _group_terms(qw, high, x_ptr, perm_ptr, 1, M, stride_xm, chunk, c_mask, offs_w, gi, SLICES,
                                      HAS_PERM, ASM)
                 acc1 += s[:, :, None] * (d - z[:, :, None] * xs[None, :, :])
         nxt = chunk + K_CHUNKS
@@ -101,14 +105,14 @@ def _w4a16_gemv_kblock_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, pa
 
 def w4a16_gemv_kblock(x2: torch.Tensor, w, out: torch.Tensor, block_n: int, k_chunks: int, split_k: int,
                       num_warps: int, num_stages: int = 1, asm: bool | None = None) -> torch.Tensor:
-    """out [M, N] = x2 [M, K] @ dequant(w)^T for M <= 2 and k-sliced weights (w: W4A16Weights; inputs
+    """out [M, N] = x2 [M, K] @ dequant(w)^T for M <= 2 and paired-order weights (w: W4A16Weights; inputs
     checked by w4a16_gemm.w4a16_linear). k_chunks: a power of two; asm: as w4a16_gemv's."""
     m, k = x2.shape
     n = w.out_features
     if not 1 <= m <= 2:
         raise ValueError(f"w4a16_gemv_kblock: M must be 1 or 2, got {m}")
     if not w.sliced:
-        raise ValueError("w4a16_gemv_kblock needs weights in the k-sliced code order (W4A16Weights.sliced)")
+        raise ValueError("w4a16_gemv_kblock needs weights in the paired code order (W4A16Weights.sliced)")
     if k_chunks < 1 or k_chunks & (k_chunks - 1):
         raise ValueError(f"w4a16_gemv_kblock: k_chunks must be a power of two, got {k_chunks}")
     chunks = k // 128

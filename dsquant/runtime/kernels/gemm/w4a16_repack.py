@@ -2,9 +2,10 @@
 
 Kernel layout (`W4A16Weights`), for a Linear with out_features N, in_features K, group size G:
     qweight  int32 [N, K/8]   packed along K, in one of two code orders (`sliced`):
-             k-sliced (K % 128 == 0 and G in 32, 64, 128, see `slice_codes`): word 16c + w holds in
-             nibble i the code of k = 128c + 16i + w, so each nibble plane of a 128-wide chunk is
-             16 consecutive input channels, one MMA k-step (w4a16_mma.py);
+             paired (K % 128 == 0 and G in 32, 64, 128, see `slice_codes`; the attribute keeps its
+             old name): word 16c + i holds in nibble j the code of k = 128c + 32 (j % 4) + 2i + j // 4,
+             so nibbles j and j + 4 of a word are neighbouring channels, the two halves of one MMA
+             operand register after one lop3 (int4_paired.py; MoE experts use the same order);
              plain (any other shape): nibble i (bits 4i..4i+3) of word c holds k = 8c + i
     scales   fp16/bf16 [K/G, N]  (kept in the checkpoint's dtype; the kernel multiplies in fp32)
     zeros    uint8 [K/G, N]   zero-point codes 0..16
@@ -35,7 +36,7 @@ class W4A16Weights:
     group_size: int
     perm: torch.Tensor | None = None  # int32 [K] (act-order) or None
     splitk_counters: torch.Tensor | None = None  # int32 [>= tiles], zero; reset by the kernel
-    sliced: bool = False  # qweight in the k-sliced code order (module docstring)
+    sliced: bool = False  # qweight in the paired code order (module docstring; named for the order before it)
 
     @property
     def out_features(self) -> int:
@@ -60,23 +61,24 @@ SLICED_GROUPS = (32, 64, 128)
 
 
 def slice_codes(q_nk: torch.Tensor) -> torch.Tensor:
-    """codes [N, K] (0..15, K % 128 == 0) -> int32 [N, K/8] in the k-sliced order: word 16c + w of
-    row n holds, in nibble i, the code of k = 128c + 16i + w."""
+    """codes [N, K] (0..15, K % 128 == 0) -> int32 [N, K/8] in the paired order (int4_paired.py): word
+    16c + i of row n holds, in nibble j, the code of k = 128c + 32 (j % 4) + 2i + j // 4."""
     n, k = q_nk.shape
-    _check(k % 128 == 0, f"the k-sliced code order needs in_features % 128 == 0, got {k}")
-    q = q_nk.to(torch.int32).reshape(n, k // 128, 8, 16)  # [N, chunk, i, w]
+    _check(k % 128 == 0, f"the paired code order needs in_features % 128 == 0, got {k}")
+    q = q_nk.to(torch.int32).reshape(n, k // 128, 4, 16, 2)  # [N, chunk, j % 4, i, j // 4]
     words = torch.zeros(n, k // 128, 16, dtype=torch.int32, device=q_nk.device)
-    for i in range(8):
-        words |= q[:, :, i, :] << (4 * i)
+    for j in range(8):
+        words |= q[:, :, j % 4, :, j // 4] << (4 * j)
     return words.reshape(n, k // 8).contiguous()
 
 
 def unslice_codes(qweight: torch.Tensor) -> torch.Tensor:
     """Inverse of slice_codes: int32 [N, K/8] -> codes int32 [N, K]."""
     n, kw = qweight.shape
-    words = qweight.reshape(n, kw // 16, 1, 16)
+    words = qweight.reshape(n, kw // 16, 1, 16)  # [N, chunk, 1, i]
     shifts = (torch.arange(8, device=qweight.device, dtype=torch.int32) * 4).view(1, 1, 8, 1)
-    return ((words >> shifts) & 0xF).reshape(n, kw * 8)
+    q = (words >> shifts) & 0xF  # [N, chunk, j, i], j = 4 (j // 4) + j % 4
+    return q.reshape(n, kw // 16, 2, 4, 16).permute(0, 1, 3, 4, 2).reshape(n, kw * 8)
 
 
 def uses_sliced_order(in_features: int, group_size: int) -> bool:
@@ -86,7 +88,7 @@ def uses_sliced_order(in_features: int, group_size: int) -> bool:
 def kernel_weights(q_kn: torch.Tensor, z_gn: torch.Tensor, scales: torch.Tensor, group_size: int,
                    perm: torch.Tensor | None = None) -> W4A16Weights:
     """Codes [K, N] (kernel K order), zero points [K/G, N], scales [K/G, N] -> W4A16Weights, in the
-    k-sliced order where the shape allows it, else the plain one."""
+    paired order where the shape allows it, else the plain one."""
     k = q_kn.shape[0]
     sliced = uses_sliced_order(k, group_size)
     qweight = slice_codes(q_kn.t()) if sliced else pack_gptq_qweight(q_kn).t().contiguous()
