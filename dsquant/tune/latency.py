@@ -9,15 +9,18 @@ matmul of its weight dequantized at load, the very op BF16 runs, so awq entries 
 `cpu_mode="dequant"` instead times on CPU a weight dequantized on every call before the matmul (a
 weight-only kernel's work done in torch), a CPU figure in which INT4 and FP8 cost more than BF16. A recorded table
 (`--latency-table FILE`, e.g. timed on a GPU) replaces the timing; measured tables are cached in
-~/.cache/dsquant/latency/<device name>-<dsquant version>.json and only missing entries are timed.
+~/.cache/dsquant/latency/<device name>-<dsquant version>-m<MODEL_VERSION>.json and only missing entries are timed.
 
 Routed experts at batch M: on CUDA, where the runtime runs a layer's experts as one fused MoE, one
 entry per layer shape and scheme times that fused_moe call for M tokens routed uniformly at random
 (timing.time_moe; table scheme "moe_e{E}_k{k}_{gate/up scheme}_{down scheme}", n = I, k = H). On CPU,
 where the runtime loops over the experts hit, the expected number of distinct experts hit,
 a = E (1 - (1 - k/E)^M), each runs ceil(M k / a) tokens; an expert projection costs a / E times its
-time at that token count. Shared experts count as a dense MLP; on CUDA the runtime folds them into
-the fused MoE when they share the routed experts' format, which the fixed work then absorbs.
+time at that token count. A layer's shared and routed experts are timed together (tune/fusion.py):
+on CUDA the runtime folds the shared MLP into the fused MoE when both have one format (entry
+"moe_e{E}_k{k}_s{n}_..."), and otherwise runs it as its own MLP (its Linears plus a silu_mul launch).
+On the kernel path (CUDA) MLA's q (or q_a) and kv_a projections run as one GEMM of their summed
+outputs when both have one format (runtime/layers/fused_linear.py): attn_in is timed as that GEMM.
 
 Fixed work (attention, norms, routing, embeddings, lm_head, sampling, engine overhead): chosen as
 "time a BF16 decode step with the runtime and subtract the linears": the BF16 model's TPOT (batch 1)
@@ -49,10 +52,12 @@ from pathlib import Path
 import torch
 
 from dsquant.errors import DsquantError
-from dsquant.tune.space import Group, Space, Unit, scheme_key
-from dsquant.tune.timing import time_linear, time_moe
+from dsquant.tune import fusion
+from dsquant.tune.space import Space, Unit, scheme_key
+from dsquant.tune.timing import time_linear, time_moe, time_silu_mul
 
 CACHE_DIR = Path("~/.cache/dsquant/latency")
+MODEL_VERSION = 2  # of the latency model: a cache timed under another (its fixed work) is not reused
 
 
 @dataclass
@@ -64,6 +69,7 @@ class LatencyTable:
     source: str = "measured"  # "measured", "cache: PATH" or the --latency-table path
     notes: list[str] = field(default_factory=list)
     fused_moe: bool = False  # routed experts timed as one fused_moe per layer (CUDA), not per expert
+    kernel_path: bool = False  # the runtime's kernel path (CUDA): MLA's attn_in as one fused GEMM
 
 
 def device_name(device: str) -> str:
@@ -90,7 +96,7 @@ def cache_path(cache_dir: str | Path, device: str, cpu_mode: str) -> Path:
 
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", device_name(device)).strip("_")
     suffix = "-dequant" if device != "cuda" and cpu_mode == "dequant" else ""
-    return Path(cache_dir).expanduser() / f"{name}{suffix}-{__version__}.json"
+    return Path(cache_dir).expanduser() / f"{name}{suffix}-{__version__}-m{MODEL_VERSION}.json"
 
 
 def load_table(path: str | Path, model: str) -> LatencyTable:
@@ -113,7 +119,8 @@ def load_table(path: str | Path, model: str) -> LatencyTable:
         host_raw = host_raw[model]
     host = {int(m): float(us) for m, us in host_raw.items() if not isinstance(us, dict)}
     fused = bool(raw.get("fused_moe", any(s.startswith("moe_") for s, *_ in linears)))
-    return LatencyTable(str(raw.get("device", "unknown")), linears, fixed, host, str(path), fused_moe=fused)
+    return LatencyTable(str(raw.get("device", "unknown")), linears, fixed, host, str(path), fused_moe=fused,
+                        kernel_path=bool(raw.get("kernel_path", fused)))
 
 
 def save_table(table: LatencyTable, path: Path, model: str) -> None:
@@ -132,7 +139,7 @@ def save_table(table: LatencyTable, path: Path, model: str) -> None:
     rows.update(table.linears)
     payload = {"device": table.device, "linears": [{"scheme": s, "n": n, "k": k, "m": m, "us": us}
                                                    for (s, n, k, m), us in sorted(rows.items())],
-               "fixed_us": fixed, "host_us": host, "fused_moe": table.fused_moe}
+               "fixed_us": fixed, "host_us": host, "fused_moe": table.fused_moe, "kernel_path": table.kernel_path}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(payload, indent=1))
@@ -154,52 +161,60 @@ def module_terms(space: Space, module: str, m: int) -> tuple[int, float]:
     return m, 1.0
 
 
-def moe_key(space: Space, group: Group, scheme: str, m: int) -> tuple[str, int, int, int]:
-    """The table key of a routed_experts group's fused MoE under `scheme` at m tokens."""
-    gate = next(x for x in group.modules if x.endswith(".gate_proj"))
-    down = next(x for x in group.modules if x.endswith(".down_proj"))
-    inter, hidden = space.shapes[gate]
-    keys = "_".join(scheme_key(space.spec(scheme, x)) for x in (gate, down))
-    return f"moe_e{space.n_experts}_k{space.top_k}_{keys}", inter, hidden, m
-
-
-def _moe_schemes(name: str) -> tuple[str, str]:
-    """'moe_e16_k4_awq_g128_fp8_block' -> ('awq_g128', 'fp8_block')."""
-    rest = name.split("_", 3)[3]
-    for a in ("bf16", "fp8_block") + tuple(f"awq_g{g}" for g in (32, 64, 128)):
-        if rest.startswith(a + "_"):
-            return a, rest[len(a) + 1:]
-    raise DsquantError(f"latency table: cannot read the schemes of {name!r}")
-
-
-def needed_keys(space: Space, batches: list[int], fused_moe: bool = False) -> set[tuple[str, int, int, int]]:
+def needed_keys(space: Space, batches: list[int], fused_moe: bool = False,
+                kernel_path: bool | None = None) -> set[tuple[str, int, int, int]]:
+    kernel_path = fused_moe if kernel_path is None else kernel_path
     keys = set()
     for scheme, specs in space.resolved.items():
         for g in space.groups:
             if g.name == "routed_experts" and fused_moe:
-                keys.update(moe_key(space, g, scheme, b) for b in batches)
+                keys.update(fusion.moe_key(space, g, scheme, b) for b in batches)
+                continue
+            fused = fusion.attn_in_fused(space, g, scheme) if kernel_path else None
+            if fused is not None:
+                keys.update((*fused, b) for b in batches)
                 continue
             for module in g.modules:
                 n, k = space.shapes[module]
                 spec = specs[module]
                 keys.update((scheme_key(spec), n, k, module_terms(space, module, b)[0]) for b in batches)
+    if fused_moe:
+        keys |= fusion.needed_keys(space, space.resolved, batches)
     return keys
 
 
 def linear_step_us(space: Space, choice: dict[str, str], table: LatencyTable, m: int) -> float:
-    """Predicted time of every decoder-layer Linear in one step of m tokens under `choice`."""
-    return sum(unit_us(space, u, choice[u.key], table, m) for u in space.units)
+    """Predicted time of every decoder-layer Linear in one step of m tokens under `choice` (a band's
+    shared and routed experts together: fusion.experts_us)."""
+    paired = fusion.pairs(space)
+    total = 0.0
+    for u in space.units:
+        if u.name == "shared_experts" and fusion.band(u) in paired:
+            continue  # counted with its routed experts
+        if u.name == "routed_experts" and fusion.band(u) in paired:
+            shared = paired[fusion.band(u)][0]
+            total += fusion.experts_us(space, shared, u, choice[shared.key], choice[u.key], table, m, unit_us)
+        else:
+            total += unit_us(space, u, choice[u.key], table, m)
+    return total
 
 
 def unit_us(space: Space, unit: Unit, scheme: str, table: LatencyTable, m: int) -> float:
     total = 0.0
     for g in unit.groups:
         if g.name == "routed_experts" and table.fused_moe:
-            key = moe_key(space, g, scheme, m)
+            key = fusion.moe_key(space, g, scheme, m)
             if key not in table.linears:
                 raise DsquantError(f"{table.source}: no fused-MoE time {key[0]} at I={key[1]}, H={key[2]}, "
                                    f"M={m} (layer {g.layer}); the table needs every layer shape's experts")
             total += table.linears[key]
+            continue
+        fused = fusion.attn_in_fused(space, g, scheme) if table.kernel_path else None
+        if fused is not None:
+            if (*fused, m) not in table.linears:
+                raise DsquantError(f"{table.source}: no time for scheme {fused[0]} at N={fused[1]}, K={fused[2]}, "
+                                   f"M={m} (layer {g.layer}'s q and kv_a projections as one GEMM)")
+            total += table.linears[(*fused, m)]
             continue
         for module in g.modules:
             n, k = space.shapes[module]
@@ -221,7 +236,7 @@ def build_table(space: Space, batches: list[int], device: str, model_dir: str, t
         model += f" num_scheduler_steps={steps}"
     if table_path is not None:
         table = load_table(table_path, model)
-        needed = needed_keys(space, batches, table.fused_moe)
+        needed = needed_keys(space, batches, table.fused_moe, table.kernel_path)
         missing = sorted(needed - set(table.linears))
         if missing:
             s, n, k, m = missing[0]
@@ -235,13 +250,16 @@ def build_table(space: Space, batches: list[int], device: str, model_dir: str, t
     table = load_table(path, model) if path.is_file() else LatencyTable(device_name(device))
     table.source = f"cache {path}" if table.linears else "measured"
     table.fused_moe = device == "cuda" and space.n_experts > 0
-    todo = sorted(needed_keys(space, batches, table.fused_moe) - set(table.linears))
+    table.kernel_path = device == "cuda"
+    todo = sorted(needed_keys(space, batches, table.fused_moe, table.kernel_path) - set(table.linears))
     if todo:
         log(f"latency: timing {len(todo)} linear shapes on {device_name(device)}")
     for s, n, k, m in sorted(todo, key=lambda key: key[0] != "bf16"):  # BF16 first: INT4 on CPU copies it
         if s.startswith("moe_"):
-            key_13, key_2 = _moe_schemes(s)
-            table.linears[(s, n, k, m)] = time_moe(key_13, key_2, space.n_experts, space.top_k, n, k, m)
+            n_experts, top_k, n_shared, key_13, key_2 = fusion.parse_moe_key(s)
+            table.linears[(s, n, k, m)] = time_moe(key_13, key_2, n_experts, top_k, n, k, m, n_shared)
+        elif s == "silu_mul":
+            table.linears[(s, n, k, m)] = time_silu_mul(n, m)
         elif device != "cuda" and cpu_mode == "runtime" and s.startswith("awq_g"):
             table.linears[(s, n, k, m)] = table.linears[("bf16", n, k, m)]
         else:

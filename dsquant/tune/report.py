@@ -23,7 +23,21 @@ def _write(path: Path, data: str | bytes) -> None:
 
 
 def _choice(ctx, plan) -> dict[str, str]:
-    return {u.key: u.options[j].scheme for u, j in zip(ctx["units"], plan.choice)}
+    from dsquant.tune.runner import choice_of
+
+    return choice_of(ctx["units"], plan)
+
+
+def _share_us(ctx, unit_key: str, scheme: str, m: int) -> float:
+    """Predicted microseconds of one search unit under `scheme` at m tokens (an experts pair together)."""
+    from dsquant.tune import fusion
+    from dsquant.tune.runner import JOINT
+
+    space, table = ctx["space"], ctx["table"]
+    if JOINT in scheme:
+        shared, routed = fusion.pairs(space)[unit_key.split(":", 1)[0]]
+        return fusion.experts_us(space, shared, routed, *scheme.split(JOINT), table, m, lat.unit_us)
+    return lat.unit_us(space, next(x for x in space.units if x.key == unit_key), scheme, table, m)
 
 
 def _predicted(ctx, plan) -> dict:
@@ -166,8 +180,7 @@ def _markdown(ctx, payload) -> str:
               "| --- | --- | ---: | ---: |"]
     for u, j in zip(ctx["units"], ctx["chosen"].choice):
         o = u.options[j]
-        us = lat.unit_us(ctx["space"], next(x for x in ctx["space"].units if x.key == u.key), o.scheme, ctx["table"],
-                         bs[0])
+        us = _share_us(ctx, u.key, o.scheme, bs[0])
         lines.append(f"| {u.key} | {o.scheme} | {o.kl:.3g} | {us:.1f} us |")
     lines += ["", "## Against uniform recipes (predicted)", "",
               "| recipe | KL | ppl +% | GB | " + " | ".join(f"step b{b} ms | tok/s b{b}" for b in bs) + " |",

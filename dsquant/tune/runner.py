@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsquant.errors import DsquantError
+from dsquant.tune import fusion
 from dsquant.tune import latency as lat
 from dsquant.tune.search import Option, Plan, SearchUnit, best, closest, front_2d, search
 from dsquant.tune.sensitivity import Sensitivity, SensitivityArgs, calibration_split, measure
@@ -86,23 +87,65 @@ def ppl_coefficient(sens: Sensitivity) -> tuple[float, str]:
     return 1.0, "too few candidates with KL > 1e-4 to fit: c = 1 (NLL change = KL)"
 
 
+JOINT = "+"  # an experts option "a+b": shared experts in scheme a, routed experts in scheme b
+
+
 def search_units(space: Space, sens: Sensitivity, table: lat.LatencyTable, batches: list[int]) -> list[SearchUnit]:
+    """One SearchUnit per space unit, except that a band's shared and routed experts are one unit
+    "L{band}:experts" whose options are the scheme pairs "a+b" (their latency is not additive:
+    tune/fusion.py)."""
     bf16 = {u.key: "bf16" for u in space.units}
     base = {b: lat.predict(space, bf16, table, batches)["step_us"][b] for b in batches}
     found = sens.lookup()
+
+    def kl(u, s: str) -> float:
+        return 0.0 if s == "bf16" else sum(found[(g.layer, g.name, s)].kl for g in u.groups)
+
+    def share(us_at) -> float:
+        return sum(us_at(b) / base[b] for b in batches) / len(batches)
+
+    paired = fusion.pairs(space)
     units = []
     for u in space.units:
-        options = []
-        for s in u.options:
-            kl = 0.0 if s == "bf16" else sum(found[(g.layer, g.name, s)].kl for g in u.groups)
-            cost = sum(lat.unit_us(space, u, s, table, b) / base[b] for b in batches) / len(batches)
-            options.append(Option(s, kl, cost, unit_bytes(space, u, s)))
+        band = fusion.band(u)
+        if band in paired and u.name == "shared_experts":
+            continue  # decided with the band's routed experts
+        if band in paired and u.name == "routed_experts":
+            shared = paired[band][0]
+            options = [Option(f"{a}{JOINT}{b}", kl(shared, a) + kl(u, b),
+                              share(lambda m, a=a, b=b: fusion.experts_us(space, shared, u, a, b, table, m, lat.unit_us)),
+                              unit_bytes(space, shared, a) + unit_bytes(space, u, b))
+                       for a in shared.options for b in u.options]
+            units.append(SearchUnit(f"{band}:experts", options))
+            continue
+        options = [Option(s, kl(u, s), share(lambda m, s=s: lat.unit_us(space, u, s, table, m)), unit_bytes(space, u, s))
+                   for s in u.options]
         units.append(SearchUnit(u.key, options))
     return units
 
 
 def choice_of(units: list[SearchUnit], plan: Plan) -> dict[str, str]:
-    return {u.key: u.options[j].scheme for u, j in zip(units, plan.choice)}
+    """space unit key -> scheme of a plan (an experts pair split back into its two units)."""
+    out = {}
+    for u, j in zip(units, plan.choice):
+        scheme = u.options[j].scheme
+        if JOINT in scheme:
+            band = u.key.split(":", 1)[0]
+            out[f"{band}:shared_experts"], out[f"{band}:routed_experts"] = scheme.split(JOINT)
+        else:
+            out[u.key] = scheme
+    return out
+
+
+def index_of(units: list[SearchUnit], choice: dict[str, str]) -> tuple[int, ...]:
+    """The plan indices of a (space unit key -> scheme) choice; a scheme a unit lacks: its first option."""
+    idx = []
+    for u in units:
+        band = u.key.split(":", 1)[0]
+        want = (f"{choice.get(f'{band}:shared_experts', 'bf16')}{JOINT}{choice.get(f'{band}:routed_experts', 'bf16')}"
+                if u.key.endswith(":experts") else choice.get(u.key, "bf16"))
+        idx.append(next((j for j, o in enumerate(u.options) if o.scheme == want), 0))
+    return tuple(idx)
 
 
 def describe(choice: dict[str, str]) -> str:
@@ -118,8 +161,12 @@ def uniform_plans(units: list[SearchUnit], schemes: list[str], fixed: int) -> di
     """Every unit at one scheme (where a unit lacks it, BF16): the hand-picked recipes to beat."""
     out = {}
     for s in schemes:
-        idx = tuple(next((j for j, o in enumerate(u.options) if o.scheme == s), 0) for u in units)
-        out[s] = plan_of(units, idx, fixed)
+        idx = []
+        for u in units:
+            have = {o.scheme: j for j, o in enumerate(u.options)}
+            wants = [f"{s}{JOINT}{s}", f"bf16{JOINT}{s}", f"{s}{JOINT}bf16"] if u.key.endswith(":experts") else [s]
+            idx.append(next((have[w] for w in wants if w in have), 0))
+        out[s] = plan_of(units, tuple(idx), fixed)
     return out
 
 
@@ -138,8 +185,7 @@ def compared_plans(space: Space, units: list[SearchUnit], names: list[str], fixe
         if choice is None:
             out[name] = None
             continue
-        idx = tuple(next(j for j, o in enumerate(u.options) if o.scheme == choice[u.key]) for u in units)
-        out[name] = plan_of(units, idx, fixed)
+        out[name] = plan_of(units, index_of(units, choice), fixed)
     return out
 
 

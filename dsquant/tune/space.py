@@ -83,6 +83,7 @@ class Space:
     resolved: dict[str, dict[str, SchemeSpec]]  # scheme name -> module -> the spec quantize gives it
     n_experts: int  # routed experts per MoE layer (0: dense model)
     top_k: int
+    n_shared: int = 0  # shared experts per MoE layer (tune/experts.py folds them into the fused MoE)
 
     def spec(self, scheme: str, module: str) -> SchemeSpec:
         return self.resolved[scheme][module]
@@ -136,7 +137,8 @@ def build_space(cfg, shapes: dict[str, tuple[int, int]], schemes: list[str], ban
                 unit.options.append(s)
     n_experts = int(cfg.raw.get("n_routed_experts") or 0)
     top_k = int(cfg.raw.get("num_experts_per_tok") or 0)
-    return Space(shapes, groups, list(units.values()), resolved, n_experts, top_k)
+    n_shared = int(cfg.raw.get("n_shared_experts") or 0)
+    return Space(shapes, groups, list(units.values()), resolved, n_experts, top_k, n_shared)
 
 
 def weight_bytes(spec: SchemeSpec, n: int, k: int) -> int:

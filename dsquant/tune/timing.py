@@ -101,17 +101,20 @@ def _grouped(key: str, w: torch.Tensor):
 
 
 @torch.no_grad()
-def time_moe(key_13: str, key_2: str, n_experts: int, top_k: int, inter: int, hidden: int, m: int) -> float:
+def time_moe(key_13: str, key_2: str, n_experts: int, top_k: int, inter: int, hidden: int, m: int,
+             n_shared: int = 0) -> float:
     """Median CUDA-graph microseconds of one layer's routed experts (fused_moe: alignment, gate/up
     grouped GEMM with SiLU-and-mul, down, top-k sum) for m tokens routed uniformly at random, top_k
-    distinct experts each. key_13 / key_2: the schemes of gate/up and of down (latency-table names).
-    Where the two differ or the quantized grouped GEMM refuses the shape, the experts run bf16, as
-    runtime/layers/moe.FusedMoE runs them."""
-    from dsquant.runtime.kernels.moe.fused_moe import MoeWeights, bf16_experts, fused_moe
+    distinct experts each, and n_shared shared experts folded in as the runtime folds them (experts
+    n_experts .. n_experts + n_shared - 1, weight 1 for every token). key_13 / key_2: the schemes of
+    gate/up and of down (latency-table names). Where the two differ or the quantized grouped GEMM
+    refuses the shape, the experts run bf16, as runtime/layers/moe.FusedMoE runs them."""
+    from dsquant.runtime.kernels.moe.fused_moe import MoeWeights, bf16_experts, fused_moe, with_shared_experts
 
     gen = torch.Generator(device="cuda").manual_seed(inter * 31 + hidden)
-    w13 = (torch.randn(n_experts, 2 * inter, hidden, generator=gen, device="cuda") / hidden ** 0.5).bfloat16()
-    w2 = (torch.randn(n_experts, hidden, inter, generator=gen, device="cuda") / inter ** 0.5).bfloat16()
+    total = n_experts + n_shared
+    w13 = (torch.randn(total, 2 * inter, hidden, generator=gen, device="cuda") / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(total, hidden, inter, generator=gen, device="cuda") / inter ** 0.5).bfloat16()
     try:
         if key_13 != key_2:
             raise ValueError("gate/up and down in different schemes")
@@ -121,4 +124,16 @@ def time_moe(key_13: str, key_2: str, n_experts: int, top_k: int, inter: int, hi
     x = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()  # [M, H]
     ids = torch.rand(m, n_experts, generator=gen, device="cuda").argsort(-1)[:, :top_k]  # [M, k] int64, as routing gives
     tw = torch.softmax(torch.randn(m, top_k, generator=gen, device="cuda"), -1)  # [M, k] fp32
-    return _median_us(lambda: fused_moe(x, weights, tw, ids), "cuda")
+    if n_shared:
+        tw, ids = with_shared_experts(tw, ids, n_experts, n_shared)  # [M, k + n_shared]
+    return _median_us(lambda: fused_moe(x, weights, tw, ids, n_shared=n_shared), "cuda")
+
+
+@torch.no_grad()
+def time_silu_mul(inter: int, m: int) -> float:
+    """Median CUDA-graph microseconds of the one silu_mul launch of a GatedMLP of intermediate `inter`
+    at m tokens (an unfolded shared-expert MLP's activation: tune/fusion.py)."""
+    from dsquant.runtime.kernels.ops.activation import silu_mul
+
+    gate, up = torch.randn(2, m, inter, device="cuda").bfloat16()  # [M, I] each
+    return _median_us(lambda: silu_mul(gate, up), "cuda")

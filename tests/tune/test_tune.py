@@ -14,6 +14,8 @@ from dsquant.calibrate.recipe import load_recipe
 from dsquant.calibrate.resolve import linear_shapes, resolve_schemes
 from dsquant.cli import main
 from dsquant.models.loader import open_model
+from dsquant.errors import DsquantError
+from dsquant.tune import fusion
 from dsquant.tune import latency as lat
 from dsquant.tune.search import Option, SearchUnit, best, closest, front_2d, search
 from dsquant.tune.space import SCHEMES, build_space, choice_recipe, parse_schemes, scheme_key
@@ -237,14 +239,68 @@ def test_fused_moe_entries_replace_the_per_expert_sum():
     plain, fused = lat.needed_keys(space, [1, 8]), lat.needed_keys(space, [1, 8], fused_moe=True)
     moe = {k for k in fused if k[0].startswith("moe_")}
     assert moe and not any(k[0].startswith("moe_") for k in plain)
-    assert {k[0] for k in moe} == {"moe_e16_k4_bf16_bf16", "moe_e16_k4_awq_g128_awq_g128"}
+    # the routed experts alone, and with the layer's one shared expert folded in (same scheme on both)
+    assert {k[0] for k in moe} == {"moe_e16_k4_bf16_bf16", "moe_e16_k4_awq_g128_awq_g128",
+                                   "moe_e16_k4_s1_bf16_bf16", "moe_e16_k4_s1_awq_g128_awq_g128"}
     assert {(k[1], k[2]) for k in moe} == {(128, 256)}  # n = expert intermediate, k = hidden
-    assert lat._moe_schemes("moe_e16_k4_awq_g64_fp8_block") == ("awq_g64", "fp8_block")
+    assert {k for k in fused if k[0] == "silu_mul"} == {("silu_mul", 128, 0, 1), ("silu_mul", 128, 0, 8)}
+    assert fusion.parse_moe_key("moe_e16_k4_awq_g64_fp8_block") == (16, 4, 0, "awq_g64", "fp8_block")
+    assert fusion.parse_moe_key("moe_e64_k6_s2_bf16_bf16") == (64, 6, 2, "bf16", "bf16")
+    with pytest.raises(DsquantError, match="moe_e16_k4_int3_bf16"):
+        fusion.parse_moe_key("moe_e16_k4_int3_bf16")
     table = lat.LatencyTable("synthetic", {k: 1.0 for k in fused}, fused_moe=True)
     routed = next(u for u in space.units if u.name == "routed_experts")
     assert lat.unit_us(space, routed, "awq_g128", table, 8) == 1.0  # one fused call per layer
     per_expert = lat.LatencyTable("synthetic", {k: 1.0 for k in plain})
     assert lat.unit_us(space, routed, "awq_g128", per_expert, 8) > 1.0
+
+
+def test_shared_and_routed_experts_are_one_decision():
+    """The runtime folds a layer's shared experts into the fused MoE only when both have one scheme;
+    otherwise the shared MLP runs on its own (its Linears and a silu_mul launch). tune prices the pair
+    together and searches the pairs as one unit."""
+    from dsquant.tune.runner import JOINT, choice_of, index_of, search_units, uniform_plans
+    from dsquant.tune.search import Plan
+    from dsquant.tune.sensitivity import Candidate, Sensitivity
+
+    space = _space(V3, "bf16,fp8_block,awq_g128")
+    keys = lat.needed_keys(space, [1], fused_moe=True)
+    plain = lat.needed_keys(space, [1])  # CPU: every Linear on its own, experts per expert
+    us = {k: (3.0 if "_s1_" in k[0] else 2.0 if k[0].startswith("moe_") else 0.5 if k[0] == "silu_mul" else 1.0)
+          for k in keys | plain}
+    table = lat.LatencyTable("synthetic", us, {1: 10.0}, fused_moe=True, kernel_path=True)
+    shared, routed = fusion.pairs(space)["L1"]
+    dense_shared = {s: lat.unit_us(space, shared, s, table, 1) for s in shared.options}
+    assert dense_shared["awq_g128"] == 3.0  # gate, up, down at 1.0 each
+    for a in shared.options:
+        for b in routed.options:
+            got = fusion.experts_us(space, shared, routed, a, b, table, 1, lat.unit_us)
+            assert got == (3.0 if a == b else dense_shared[a] + 0.5 + 2.0), (a, b)
+    # the step sums the pairs, not the parts
+    mixed = {u.key: "awq_g128" for u in space.units}
+    mixed["L1:routed_experts"] = "bf16"
+    uniform = {u.key: "awq_g128" for u in space.units}
+    assert lat.linear_step_us(space, mixed, table, 1) - lat.linear_step_us(space, uniform, table, 1) == 3.0 + 0.5 + 2.0 - 3.0
+    # attn_in (q_a and kv_a) is one GEMM of their summed outputs on the kernel path
+    attn = next(u for u in space.units if u.key == "L1:attn_in")
+    n = sum(space.shapes[m][0] for m in attn.groups[0].modules)
+    assert ("awq_g128", n, 256, 1) in keys and lat.unit_us(space, attn, "awq_g128", table, 1) == 1.0
+    assert lat.unit_us(space, attn, "awq_g128", lat.LatencyTable("cpu", us), 1) == 2.0  # CPU: two Linears
+    # the search: one experts unit per MoE layer, its options the scheme pairs
+    cands = [Candidate(g.layer, g.name, s, 0.01, 0.01, 0.1) for g in space.groups for s in ("fp8_block", "awq_g128")]
+    units = search_units(space, Sensitivity(cands, 3.0, 64, 64, 64), table, [1])
+    experts = [u for u in units if u.key.endswith(":experts")]
+    assert [u.key for u in experts] == ["L1:experts", "L2:experts", "L3:experts"]
+    assert not any(u.key.endswith(("shared_experts", "routed_experts")) for u in units)
+    assert len(experts[0].options) == 9 and experts[0].options[0].scheme == f"bf16{JOINT}bf16"
+    j = next(i for i, o in enumerate(experts[0].options) if o.scheme == f"awq_g128{JOINT}bf16")
+    assert math.isclose(experts[0].options[j].kl, 0.01)  # the shared experts' KL, routed BF16
+    idx = tuple(j if u is experts[0] else 0 for u in units)
+    choice = choice_of(units, Plan(idx, 0.0, 0.0, 0))
+    assert choice["L1:shared_experts"] == "awq_g128" and choice["L1:routed_experts"] == "bf16"
+    assert set(choice) == {u.key for u in space.units} and index_of(units, choice) == idx
+    plan = uniform_plans(units, ["awq_g128"], 0)["awq_g128"]
+    assert all(v == "awq_g128" for v in choice_of(units, plan).values())
 
 
 def test_bands_group_consecutive_layers():
