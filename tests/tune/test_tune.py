@@ -334,6 +334,10 @@ def test_gpu_timings_run_the_runtime_kernels(key):
     assert 0 < time_linear(key, 256, 512, 1, "cuda") < 1e4
     assert 0 < time_moe(key, key, 16, 4, 128, 256, 8) < 1e4
     assert 0 < time_moe("awq_g128", "fp8_block", 16, 4, 128, 256, 8) < 1e4  # mixed: the runtime's bf16 experts
+    assert 0 < time_moe(key, key, 16, 4, 128, 256, 8, n_shared=2) < 1e4  # two shared experts folded in
+    from dsquant.tune.timing import time_silu_mul
+
+    assert 0 < time_silu_mul(256, 8) < 1e4
 
 
 def test_host_floor_split_and_prediction():
