@@ -160,3 +160,107 @@ def test_staged_block_tables_equal_the_padded_lists(tiny_models):
     for table, lists in staged:
         width = max(map(len, lists))
         assert table == [b + [0] * (width - len(b)) for b in lists]
+
+
+def _streams(tok, rng, n):
+    """Random token streams over the bundled tokenizer: mostly a corpus's tokens, some random ids (lone
+    bytes among them, which stall the stream until the lossy write-out), cut into bursts of 1-8."""
+    corpus = tok.encode("the children of the village, def f(x):\n    return x ** 2  # Grüße 世界 end",
+                        add_special_tokens=False).ids
+    for _ in range(n):
+        ids = [rng.choice(corpus) if rng.random() < 0.7 else rng.randrange(tok.get_vocab_size())
+               for _ in range(rng.randrange(1, 80))]
+        bursts, i = [], 0
+        while i < len(ids):
+            k = rng.randrange(1, 9)
+            bursts.append(ids[i:i + k])
+            i += k
+        yield bursts
+
+
+def test_lazy_detokenizer_gives_the_eager_text_however_it_is_read():
+    """Without stop strings the engine defers decoding (outputs.LazyDelta): each burst's delta, the text
+    length after each burst and the final text equal the eager detokenizer's, whether the deltas are
+    read at their step, later in any order, or never (only the final text)."""
+    tok = Tokenizer.from_file(str(tokenizer_path() / "tokenizer.json"))
+    rng = random.Random(1)
+    for trial, bursts in enumerate(_streams(tok, rng, 80)):
+        eager = IncrementalDetokenizer(tok)
+        want = [eager.add(b) for b in bursts]
+        lengths, total = [], 0
+        for d in want:
+            total += len(d)
+            lengths.append(total)
+        mode = trial % 3
+        lazy = IncrementalDetokenizer(tok, lazy=True)
+        assert lazy.lazy and not IncrementalDetokenizer(tok, ["x"], lazy=True).lazy  # stop strings: eager
+        marks, got = [0], {}
+        for k, b in enumerate(bursts):
+            marks.append(lazy.defer(b))
+            if mode == 0:
+                got[k] = lazy.delta(marks[k], marks[k + 1])
+        assert lazy._done == (len(lazy.token_ids) if mode == 0 else 0)  # nothing decoded until read
+        if mode == 1:
+            for k in rng.sample(range(len(bursts)), len(bursts)):
+                got[k] = lazy.delta(marks[k], marks[k + 1])
+        if mode != 2:
+            assert [got[k] for k in range(len(bursts))] == want, trial
+        assert lazy.text == eager.text and lazy.length == len(eager.text), trial
+        assert [lazy.length_at(m) for m in marks[1:]] == lengths, trial
+        assert lazy.flush() == ""
+
+
+def test_lazy_deltas_read_on_another_thread_while_tokens_are_deferred():
+    """The server reads deltas on its HTTP thread while the engine thread defers the next tokens."""
+    import queue
+    import threading
+
+    tok = Tokenizer.from_file(str(tokenizer_path() / "tokenizer.json"))
+    rng = random.Random(2)
+    for bursts in _streams(tok, rng, 20):
+        eager = IncrementalDetokenizer(tok)
+        want = "".join(eager.add(b) for b in bursts)
+        lazy, q, got = IncrementalDetokenizer(tok, lazy=True), queue.Queue(), []
+
+        def reader():
+            while (item := q.get()) is not None:
+                got.append(lazy.delta(*item))
+
+        t = threading.Thread(target=reader)
+        t.start()
+        start = 0
+        for b in bursts:
+            end = lazy.defer(b)
+            q.put((start, end))
+            start = end
+        q.put(None)
+        t.join()
+        assert "".join(got) == want == lazy.text
+
+
+def test_engine_defers_the_text_of_requests_without_stop_strings(llama_with_tokenizer):
+    """A request without stop strings gets LazyDelta outputs and nothing is decoded while it runs;
+    its deltas, read afterwards, join to its final text, which is the tokenizer's decode of its tokens.
+    A request with a stop string is detokenized at each step (its stop check needs the text)."""
+    from tokenizers import Tokenizer as Tok
+
+    from dsquant.runtime.engine.outputs import LazyDelta
+
+    _, path = llama_with_tokenizer
+    tok = Tok.from_file(str(path / "tokenizer.json"))
+    prompts = random_prompts(2, [7, 9], seed=5, vocab=8192)
+    eng = engine(path, True)
+    plain = eng.add_request(prompts[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    stopped = eng.add_request(prompts[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                         stop=["zzz-never"]))
+    detoks = {r: eng.requests[r][1] for r in (plain, stopped)}
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert detoks[plain]._done == 0 and detoks[stopped]._done == 0 and len(detoks[stopped]._pieces) > 0
+    mine = [o for o in outs if o.request_id == plain]
+    assert all(isinstance(o.delta, LazyDelta) for o in mine)
+    assert all(isinstance(o.delta, str) for o in outs if o.request_id == stopped)
+    assert "".join(o.delta_text for o in mine) == mine[-1].text == tok.decode(mine[-1].token_ids,
+                                                                               skip_special_tokens=True)
+    assert [o.text for o in mine] == ["".join(x.delta_text for x in mine[:k + 1]) for k in range(len(mine))]

@@ -15,8 +15,17 @@ each step cost more than the last (2000 such tokens: 290 us a token against 0.6)
 MAX_STALLED tokens without text, all but the last KEEP of them are written out as the tokenizer's
 lossy decode (U+FFFD for invalid bytes, as `tokenizer.decode` gives), and a new stream, prefilled
 with the last tokens that did decode, takes the kept tail (which may still start a valid character).
+
+Lazy mode (`lazy=True`, only without stop strings, where no check needs the text at each step): the
+engine hands each step's tokens to `defer`, which only records them and returns a mark (the token count
+so far); the text is decoded when first asked for (`delta(start, end)`, `length_at(mark)`, `text`),
+through the same stream, mark by mark, so it is the text `add` would have given. A reader on another
+thread (the server's HTTP loop) may decode while the engine defers more tokens: a lock orders the two.
 """
 from __future__ import annotations
+
+import threading
+from collections import deque
 
 from tokenizers.decoders import DecodeStream
 
@@ -29,7 +38,7 @@ CONTEXT = 4  # tokens that decoded, prefilled into a new stream (leading-space r
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, lazy: bool = False):
         self.tokenizer = tokenizer  # tokenizers.Tokenizer
         self.stream = DecodeStream(skip_special_tokens=True)
         self.stalled: list[int] = []  # tokens stepped since the stream last returned text
@@ -47,11 +56,57 @@ class IncrementalDetokenizer:
         # the last delta with the _keep characters before it, starting at character _w0 of the text
         self._keep = max(map(len, self.stop)) - 1 if self.stop else 0
         self._window, self._w0 = "", 0
+        # lazy mode: token_ids[:_done] decoded; _marks: the counts defer returned, not yet decoded;
+        # _lengths: count -> text length after it; _deltas: count -> the text since the mark before
+        self.lazy = lazy and not self.stop
+        self._done = 0
+        self._marks: deque[int] = deque()
+        self._lengths: dict[int, int] = {0: 0}
+        self._deltas: dict[int, str] = {}
+        self._lock = threading.Lock() if self.lazy else None
 
     @property
     def length(self) -> int:
         """Characters of the text (up to the stop string, once one appeared)."""
+        if self.lazy:
+            return self.length_at(len(self.token_ids))
         return self._length if self.cut is None else self.cut
+
+    def defer(self, token_ids: list[int]) -> int:
+        """Lazy mode: append tokens without decoding them; the mark to read their text by."""
+        with self._lock:
+            self.token_ids.extend(token_ids)
+            mark = len(self.token_ids)
+            if mark not in self._lengths and (not self._marks or self._marks[-1] != mark):
+                self._marks.append(mark)
+            return mark
+
+    def length_at(self, mark: int) -> int:
+        """Lazy mode: the text's length after its first `mark` tokens (a mark `defer` returned, or 0)."""
+        if self._lengths.get(mark) is None:
+            self._decode_upto(mark)
+        return self._lengths[mark]
+
+    def delta(self, start: int, end: int) -> str:
+        """Lazy mode: the text of tokens [start, end), two marks (the second returned by the
+        defer call after the first)."""
+        self._decode_upto(end)
+        piece = self._deltas.pop(end, None)  # read once, by the output of that step
+        if piece is not None and self._lengths[end] - len(piece) == self._lengths[start]:
+            return piece
+        return self.text_upto(self._lengths[end])[self._lengths[start]:]
+
+    def _decode_upto(self, mark: int) -> None:
+        with self._lock:
+            while self._marks and self._marks[0] <= mark:
+                end = self._marks.popleft()
+                piece = "".join(self._step(t) for t in self.token_ids[self._done:end])
+                if piece:
+                    self._pieces.append(piece)
+                    self._length += len(piece)
+                self._done, self._lengths[end], self._deltas[end] = end, self._length, piece
+            if mark not in self._lengths:
+                raise ValueError(f"detokenizer: {mark} is not a mark of this request's tokens")
 
     @property
     def text(self) -> str:
@@ -61,7 +116,11 @@ class IncrementalDetokenizer:
         """The first n characters of the text as added (before any cut at a stop string): what
         `text` was when `length` was n."""
         if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
+            if self._lock is None:
+                self._pieces = ["".join(self._pieces)]
+            else:
+                with self._lock:  # a decode on another thread may be appending
+                    self._pieces = ["".join(self._pieces)]
         whole = self._pieces[0] if self._pieces else ""
         return whole if n >= len(whole) else whole[:n]
 
@@ -130,6 +189,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The text held back so far (the request has ended): everything not yet returned. It lies
         in the window: what add held back is shorter than a stop string."""
+        if self.lazy:
+            return ""  # nothing is held back without stop strings
         end = self.length
         if end <= self.sent:
             return ""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from dsquant.data.tokenizer import backend_tokenizer
 from dsquant.runtime.engine.checkpoint_files import eos_ids as _eos_ids
 from dsquant.runtime.engine.detokenizer import IncrementalDetokenizer
 from dsquant.runtime.engine.engine_config import EngineConfig
+from dsquant.runtime.engine.outputs import Cumulative, LazyDelta, RequestOutput
 from dsquant.runtime.model_builder import build_runner
 from dsquant.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from dsquant.runtime.engine.sequence import SamplingParams, Sequence
@@ -33,70 +34,6 @@ from dsquant.runtime.engine.step_times import StepRecord, StepTimes
 from dsquant.runtime.layers.kv_cache import check_kv_cache_dtype
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """One request's progress after a step. new_token_ids and delta_text are this step's;
-    token_ids, text and logprobs are cumulative and built when first read (`_Cumulative`), so a
-    step's host work does not grow with the length of every output (copying them at each step
-    made a 64-sequence step at 4000 output tokens cost 4x the step at 100)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    new_token_ids: list[int]
-    delta_text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
-    # when SamplingParams asked: per prompt token (None for the first), (logprob, {token id: logprob} of the top N)
-    prompt_logprobs: list | None = None
-    cumulative: "_Cumulative | None" = field(default=None, repr=False, compare=False)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Every completion token so far."""
-        return self.cumulative.token_ids() if self.cumulative is not None else list(self.new_token_ids)
-
-    @property
-    def text(self) -> str:
-        return self.cumulative.text() if self.cumulative is not None else self.delta_text
-
-    @property
-    def logprobs(self) -> list | None:
-        """When SamplingParams asked: per completion token, (logprob, {token id: logprob} of the top N)."""
-        return self.cumulative.logprobs() if self.cumulative is not None else None
-
-
-class _Cumulative:
-    """A RequestOutput's cumulative fields as they were at its step: the sequence's completion
-    tokens [num_prompt, end), the first text_len characters of its text (the whole text, cut at a
-    stop string, for the last output) and its first lp_len logprobs; each built once, when read. The sources only grow past these bounds afterwards, so a late read gives what an
-    eager copy would have."""
-
-    __slots__ = ("seq", "end", "detok", "text_len", "lp_len", "_token_ids", "_text")
-
-    def __init__(self, seq: Sequence, end: int, detok: IncrementalDetokenizer | None, text_len: int | None):
-        self.seq, self.end, self.detok, self.text_len = seq, end, detok, text_len
-        self.lp_len = None if seq.logprobs is None else len(seq.logprobs)
-        self._token_ids: list[int] | None = None
-        self._text: str | None = None
-
-    def token_ids(self) -> list[int]:
-        if self._token_ids is None:
-            self._token_ids = self.seq.token_ids[self.seq.num_prompt_tokens:self.end]
-        return self._token_ids
-
-    def text(self) -> str:
-        if self._text is None:
-            d = self.detok
-            self._text = "" if d is None else d.text if self.text_len is None else d.text_upto(self.text_len)
-        return self._text
-
-    def logprobs(self) -> list | None:
-        lp = self.seq.logprobs
-        return None if lp is None else lp[:self.lp_len]
 
 
 class LLMEngine:
@@ -214,7 +151,7 @@ class LLMEngine:
         seq = Sequence(seq_id, request_id, ids, params, arrival_time=time.monotonic())
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, lazy=True) if self.tokenizer else None
         self.requests[request_id] = (seq, detok)
         self.scheduler.add(seq)
         return request_id
@@ -316,8 +253,13 @@ class LLMEngine:
                 kept, stop_token = j + 1, True
                 break
         text_ids = new[:kept - 1] if stop_token else new
+        mark = None
         if detok is None:
             delta = ""
+        elif detok.lazy:  # no stop strings: the text is decoded when read (outputs.py)
+            start = len(detok.token_ids)
+            mark = detok.defer(text_ids) if text_ids else start
+            delta = LazyDelta(detok, start, mark) if text_ids else ""
         elif not detok.stop or len(text_ids) < 2:
             delta = detok.add(text_ids)
         else:  # stop strings: token by token, so the one that completes a stop string ends the output there
@@ -329,19 +271,21 @@ class LLMEngine:
                     break
         reason = self._check_stop(seq, stop_token, detok, index + kept)
         if reason is not None:
-            delta += detok.flush() if detok is not None else ""  # text held back for a stop string
+            if detok is not None and not detok.lazy:
+                delta += detok.flush()  # text held back for a stop string
             if kept < len(new):  # a burst's tokens after the stop: dropped
                 del seq.token_ids[index + kept:]
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, new_token_ids=new[:kept],
-            delta_text=delta, finished=reason is not None, finish_reason=reason,
+            delta=delta, finished=reason is not None, finish_reason=reason,
             num_cached_tokens=seq.num_cached_tokens,
             metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time},
             prompt_logprobs=seq.prompt_logprobs,
-            cumulative=_Cumulative(seq, index + kept, detok,
-                                   None if reason is not None or detok is None else detok.length))
+            cumulative=Cumulative(seq, index + kept, detok,
+                                  None if reason is not None or detok is None or mark is not None else detok.length,
+                                  None if reason is not None else mark))
 
     def _finish_burst(self, step: LaunchedStep, tokens: list[int], now: float) -> list[RequestOutput]:
         """_finish_step for a multi-step burst: tokens [steps * S] step-major."""
