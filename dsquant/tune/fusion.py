@@ -24,8 +24,10 @@ from __future__ import annotations
 import re
 
 from dsquant.errors import DsquantError
+from dsquant.tune.search import Plan, SearchUnit
 from dsquant.tune.space import Space, Unit, scheme_key
 
+JOINT = "+"  # a search option "a+b" of a band's experts: shared experts in scheme a, routed in scheme b
 _MOE = re.compile(r"moe_e(\d+)_k(\d+)(?:_s(\d+))?_(.+)")
 SCHEME_KEYS = ("bf16", "fp8_block") + tuple(f"awq_g{g}" for g in (32, 64, 128))
 
@@ -139,3 +141,27 @@ def attn_in_fused(space: Space, group, scheme: str) -> tuple[str, int, int] | No
     if spec != space.spec(scheme, second) or k1 != k2 or n1 % multiple:
         return None
     return scheme_key(spec), n1 + n2, k1
+
+
+def choice_of(units: list[SearchUnit], plan: Plan) -> dict[str, str]:
+    """space unit key -> scheme of a plan (an experts pair split back into its two units)."""
+    out = {}
+    for u, j in zip(units, plan.choice):
+        scheme = u.options[j].scheme
+        if JOINT in scheme:
+            band = u.key.split(":", 1)[0]
+            out[f"{band}:shared_experts"], out[f"{band}:routed_experts"] = scheme.split(JOINT)
+        else:
+            out[u.key] = scheme
+    return out
+
+
+def index_of(units: list[SearchUnit], choice: dict[str, str]) -> tuple[int, ...]:
+    """The plan indices of a (space unit key -> scheme) choice; a scheme a unit lacks: its first option."""
+    idx = []
+    for u in units:
+        band = u.key.split(":", 1)[0]
+        want = (f"{choice.get(f'{band}:shared_experts', 'bf16')}{JOINT}{choice.get(f'{band}:routed_experts', 'bf16')}"
+                if u.key.endswith(":experts") else choice.get(u.key, "bf16"))
+        idx.append(next((j for j, o in enumerate(u.options) if o.scheme == want), 0))
+    return tuple(idx)

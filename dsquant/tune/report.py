@@ -10,7 +10,9 @@ from pathlib import Path
 import yaml
 
 from dsquant.calibrate.recipe import load_recipe
+from dsquant.tune import fusion
 from dsquant.tune import latency as lat
+from dsquant.tune.fusion import JOINT, choice_of
 from dsquant.tune.space import choice_recipe
 
 GB = 1e9
@@ -23,16 +25,11 @@ def _write(path: Path, data: str | bytes) -> None:
 
 
 def _choice(ctx, plan) -> dict[str, str]:
-    from dsquant.tune.runner import choice_of
-
     return choice_of(ctx["units"], plan)
 
 
 def _share_us(ctx, unit_key: str, scheme: str, m: int) -> float:
     """Predicted microseconds of one search unit under `scheme` at m tokens (an experts pair together)."""
-    from dsquant.tune import fusion
-    from dsquant.tune.runner import JOINT
-
     space, table = ctx["space"], ctx["table"]
     if JOINT in scheme:
         shared, routed = fusion.pairs(space)[unit_key.split(":", 1)[0]]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dsquant.errors import DsquantError
 from dsquant.tune import fusion
+from dsquant.tune.fusion import JOINT, choice_of, index_of
 from dsquant.tune import latency as lat
 from dsquant.tune.search import Option, Plan, SearchUnit, best, closest, front_2d, search
 from dsquant.tune.sensitivity import Sensitivity, SensitivityArgs, calibration_split, measure
@@ -87,9 +88,6 @@ def ppl_coefficient(sens: Sensitivity) -> tuple[float, str]:
     return 1.0, "too few candidates with KL > 1e-4 to fit: c = 1 (NLL change = KL)"
 
 
-JOINT = "+"  # an experts option "a+b": shared experts in scheme a, routed experts in scheme b
-
-
 def search_units(space: Space, sens: Sensitivity, table: lat.LatencyTable, batches: list[int]) -> list[SearchUnit]:
     """One SearchUnit per space unit, except that a band's shared and routed experts are one unit
     "L{band}:experts" whose options are the scheme pairs "a+b" (their latency is not additive:
@@ -122,30 +120,6 @@ def search_units(space: Space, sens: Sensitivity, table: lat.LatencyTable, batch
                    for s in u.options]
         units.append(SearchUnit(u.key, options))
     return units
-
-
-def choice_of(units: list[SearchUnit], plan: Plan) -> dict[str, str]:
-    """space unit key -> scheme of a plan (an experts pair split back into its two units)."""
-    out = {}
-    for u, j in zip(units, plan.choice):
-        scheme = u.options[j].scheme
-        if JOINT in scheme:
-            band = u.key.split(":", 1)[0]
-            out[f"{band}:shared_experts"], out[f"{band}:routed_experts"] = scheme.split(JOINT)
-        else:
-            out[u.key] = scheme
-    return out
-
-
-def index_of(units: list[SearchUnit], choice: dict[str, str]) -> tuple[int, ...]:
-    """The plan indices of a (space unit key -> scheme) choice; a scheme a unit lacks: its first option."""
-    idx = []
-    for u in units:
-        band = u.key.split(":", 1)[0]
-        want = (f"{choice.get(f'{band}:shared_experts', 'bf16')}{JOINT}{choice.get(f'{band}:routed_experts', 'bf16')}"
-                if u.key.endswith(":experts") else choice.get(u.key, "bf16"))
-        idx.append(next((j for j, o in enumerate(u.options) if o.scheme == want), 0))
-    return tuple(idx)
 
 
 def describe(choice: dict[str, str]) -> str:

@@ -259,7 +259,8 @@ def test_shared_and_routed_experts_are_one_decision():
     """The runtime folds a layer's shared experts into the fused MoE only when both have one scheme;
     otherwise the shared MLP runs on its own (its Linears and a silu_mul launch). tune prices the pair
     together and searches the pairs as one unit."""
-    from dsquant.tune.runner import JOINT, choice_of, index_of, search_units, uniform_plans
+    from dsquant.tune.fusion import JOINT, choice_of, index_of
+    from dsquant.tune.runner import search_units, uniform_plans
     from dsquant.tune.search import Plan
     from dsquant.tune.sensitivity import Candidate, Sensitivity
 
