@@ -133,3 +133,17 @@ def must_drain(pending: LaunchedStep, scheduler: Scheduler) -> bool:
     if any(s.logprobs is not None or s.prompt_logprobs is not None or s.params.has_penalties for s in pending.seqs):
         return True
     return not scheduler.fits_without_preemption()
+
+
+def fill_placeholders(input_ids: torch.Tensor, n: int, in_order: bool, extra: list[torch.Tensor],
+                       prev_tokens: torch.Tensor | None) -> list[torch.Tensor]:
+    """Write the previous step's sampled tokens over the n placeholder input ids, on the device;
+    return the rest of `extra` (the sampling fields). in_order: rows 0..n-1 take prev_tokens[:n];
+    else extra starts with the rows and their source rows in prev_tokens (int64 each)."""
+    assert prev_tokens is not None, "placeholder input ids without the previous step's tokens"
+    if not in_order:
+        rows, src, *extra = extra
+        input_ids.index_copy_(0, rows, prev_tokens.index_select(0, src))
+    else:
+        input_ids[:n].copy_(prev_tokens if prev_tokens.shape[0] == n else prev_tokens[:n])
+    return extra

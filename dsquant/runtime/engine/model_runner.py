@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from dsquant.models.layers import PagedAttentionBackend
-from dsquant.runtime.engine.async_step import SampledTokens, TokenReadback
+from dsquant.runtime.engine.async_step import SampledTokens, TokenReadback, fill_placeholders
+from dsquant.runtime.engine.logprobs import record_prompt_logprobs, record_sampled_logprobs
 from dsquant.runtime.engine.multi_step import run_burst
 from dsquant.runtime.engine.packed_copy import PackedCopy
 from dsquant.runtime.engine.penalties import PenaltyTensors
@@ -197,7 +198,7 @@ class ModelRunner:
                 and n_tokens <= g.max_batch):
             samp = g.stage(self.packed, input_ids, positions, slots, seq_lens, table, width, extra)
             if fill_rows:
-                samp = _fill_placeholders(g.input_ids, len(fill_rows), in_order, samp, batch.prev_tokens)
+                samp = fill_placeholders(g.input_ids, len(fill_rows), in_order, samp, batch.prev_tokens)
             return StepInputs(g.input_ids[:n_tokens], g.positions[:n_tokens], None, g.rows[:n_tokens], sampling,
                               sampling=SamplingTensors.build(sampling, vocab, samp), graph=True)
         cu = _cu_seqlens(q_lens)
@@ -205,7 +206,7 @@ class ModelRunner:
             [(input_ids, i64), (positions, i64), (slots, i64), (rows + span_rows, i64),
              (seq_lens, i32), (cu, i32), (table, i32)] + extra)
         if fill_rows:
-            samp = _fill_placeholders(ids_t, len(fill_rows), in_order, samp, batch.prev_tokens)
+            samp = fill_placeholders(ids_t, len(fill_rows), in_order, samp, batch.prev_tokens)
         ctx = self._paged_context(pos_t, slots_t, table_t.view(len(batch.seqs), width), seq_lens_t, cu_t,
                                   q_lens, seq_lens)
         return StepInputs(ids_t, pos_t, ctx, rows_t, sampling, spans, SamplingTensors.build(sampling, vocab, samp))
@@ -269,11 +270,7 @@ class ModelRunner:
             if gpu is not None:
                 gpu[1].record()
                 rec.gpu = gpu
-        want = [i for i, s in enumerate(inputs.sampling_seqs) if s.logprobs is not None]
-        if want:
-            rows = torch.tensor(want, device=logits.device)
-            for i, entry in zip(want, _logprobs(logits[rows], tokens[rows], inputs.sampling_seqs, want, "logprobs")):
-                inputs.sampling_seqs[i].logprobs.append(entry)
+        record_sampled_logprobs(inputs.sampling_seqs, logits, tokens)
         return self.readback.start(tokens)  # the step's one device -> host read (more for logprobs)
 
     def _forward_sample(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -287,50 +284,14 @@ class ModelRunner:
             logits = self.forward(inputs.input_ids, inputs.positions, inputs.ctx, inputs.logits_indices)
         n_sample = len(inputs.sampling_seqs)
         if inputs.prompt_spans:
-            self._record_prompt_logprobs(inputs, logits[n_sample:])
+            record_prompt_logprobs(inputs.prompt_spans, logits[n_sample:])
         if not inputs.sampling_seqs:
             return None, logits
         logits = logits[:n_sample]
         # outside any CUDA graph
         return sample(logits, inputs.sampling, self.generator, inputs.penalties, greedy=greedy), logits
 
-    def _record_prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> None:
-        """logits [sum of span counts, vocab]: score prompt tokens start+1 .. start+count of each span."""
-        row = 0
-        for seq, start, count in inputs.prompt_spans:
-            targets = torch.tensor(seq.token_ids[start + 1:start + 1 + count], device=logits.device)
-            entries = _logprobs(logits[row:row + count], targets, [seq] * count, range(count), "prompt_logprobs")
-            seq.prompt_logprobs[start + 1:start + 1 + count] = entries
-            row += count
-
-
-def _fill_placeholders(input_ids: torch.Tensor, n: int, in_order: bool, extra: list[torch.Tensor],
-                       prev_tokens: torch.Tensor | None) -> list[torch.Tensor]:
-    """Write the previous step's sampled tokens over the n placeholder input ids, on the device;
-    return the rest of `extra` (the sampling fields). in_order: rows 0..n-1 take prev_tokens[:n];
-    else extra starts with the rows and their source rows in prev_tokens (int64 each)."""
-    assert prev_tokens is not None, "placeholder input ids without the previous step's tokens"
-    if not in_order:
-        rows, src, *extra = extra
-        input_ids.index_copy_(0, rows, prev_tokens.index_select(0, src))
-    else:
-        input_ids[:n].copy_(prev_tokens if prev_tokens.shape[0] == n else prev_tokens[:n])
-    return extra
-
 
 def _cu_seqlens(q_lens: list[int]) -> list[int]:
     """[0, q_lens[0], q_lens[0] + q_lens[1], ...]: each sequence's first row in the flat batch."""
     return [0, *itertools.accumulate(q_lens)]
-
-
-def _logprobs(logits: torch.Tensor, targets: torch.Tensor, seqs, idx, kind: str) -> list[tuple[float, dict]]:
-    """(logprob of target, {id: logprob} of the top N) per row; logits [R, V], targets [R]."""
-    lp = logits.float().log_softmax(-1)  # [R, V]
-    chosen = lp.gather(-1, targets[:, None])[:, 0].tolist()
-    n = max(getattr(seqs[i].params, kind) for i in idx)
-    top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
-    out = []
-    for j, (i, value) in enumerate(zip(idx, chosen)):
-        k = getattr(seqs[i].params, kind)
-        out.append((value, dict(zip(top_ids[j, :k].tolist(), top_lp[j, :k].tolist()))))
-    return out
