@@ -29,7 +29,8 @@
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
 #               v2prof (the same, timed phase by phase: scripts/profile_quantize.py),
 #               validate8 (RTN and FP8 artifacts of that shape validated against it)
-#   tune:       tune1, tune4, ... (dsquant tune of dsq-tiny-v3 at --max-ppl-increase N; TUNE_ARGS: more options)
+#   tune:       tune1, tune4, ... (dsquant tune of dsq-tiny-v3 at --max-ppl-increase N; TUNE_ARGS: more options),
+#               tuneprof (after tune$TUNE_B: scripts/recipe_step_profile.py on its artifacts, PDL off and on)
 # Each step's limit is an env variable (STEP_S, e.g. DEMO_S=300); see the case below.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/dsquant_triton_cache}
@@ -190,6 +191,10 @@ main()" > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (
         done
         timeout "${VALIDATE_S:-300}" python3 -m dsquant validate "$W/rtn-w4g128" "$W/fp8-block" --baseline "$W/v2lite8" \
             --out "$OUT/validate8" --device cuda ${VARGS:-} >> "$OUT/validate8.txt" 2>&1 ;;
+    tuneprof) b=${TUNE_B:-4}; d="$W/tune-b$b/compare"  # after tune$b: its artifacts' decode graphs, kernel by kernel
+        [ -e "$d/artifact" ] || ln -s "$W/tune-b$b/artifact" "$d/artifact"
+        for pdl in 0 1; do DSQUANT_PDL=$pdl timeout "${TUNEPROF_S:-120}" python3 scripts/recipe_step_profile.py \
+            "$OUT/tuneprof-pdl$pdl.json" $M "$d" fp8-block awq-w4g128 artifact >> "$OUT/tuneprof.txt" 2>&1; done ;;
     tune*) b=${step#tune}; timeout "${TUNE_S:-290}" python3 -m dsquant tune $M --device cuda --max-ppl-increase "$b" \
            --batch 1,64 --latency-cache "$W/tune-latency" -o "$W/tune-b$b" ${TUNE_ARGS:-} > "$OUT/tune-b$b.txt" 2>&1
          echo "tune rc=$?" >> "$OUT/tune-b$b.txt"; mkdir -p "$OUT/tune-b$b"
@@ -213,7 +218,7 @@ main()" > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (
   echo "== $step: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 for f in "$OUT"/tests-*.txt "$OUT"/gputests.txt "$OUT"/gpukernels.txt "$OUT"/gpurest.txt "$OUT"/restests.txt; do [ -f "$f" ] && tail -5 "$f"; done
-for f in msprobe moe_gemv_probe moe_pair_fp8 mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe routeq alignq engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill tpbench tpv2; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
+for f in tuneprof msprobe moe_gemv_probe moe_pair_fp8 mmaprobe mmaprobev2 variance variancepin kvfp8 gemm moe routeq alignq engine enginefull serve long long32 attention v3 mlalong mlashort moeq prefill tpbench tpv2; do [ -f "$OUT/$f.txt" ] && tail -16 "$OUT/$f.txt"; done
 tail -3 "$OUT"/tune-b*.txt "$OUT/v2lite8.log" 2>/dev/null; tail -30 "$OUT/trained.txt" 2>/dev/null
 grep -A8 "^artifact" "$OUT/demo-cuda.txt" "$OUT/demo-cpu-validate.txt" 2>/dev/null
 # what comes back is limited in files: everything in one archive (steps.txt beside it)
