@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from dsquant.formats.awq_gemm import to_awq_tensors
+from dsquant.formats.compressed_tensors import pack_quantized_tensors
 from dsquant.formats.fp8_block import quantize_fp8_block
 from dsquant.formats.gptq import to_gptq_tensors
 from dsquant.formats.int_grid import quantize_int_groupwise
+from dsquant.runtime.layers.compressed_tensors import CTFloat8Method, CTPackedInt4Method
 from dsquant.runtime.layers.fused_linear import concat_linears
 from dsquant.runtime.layers.linear import QuantLinear
 from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod
@@ -19,15 +21,32 @@ K = 256
 
 def _linear(fmt: str, n: int, seed: int) -> QuantLinear:
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, K, generator=g) * 0.05  # [N, K]
+    # [N, K], row magnitudes over three orders (varied group and block scales)
+    w = torch.randn(n, K, generator=g) * 0.05 * 10 ** (torch.rand(n, 1, generator=g) * 3 - 2)
     if fmt == "dense":
         tensors, method = {"weight": w.to(torch.bfloat16)}, DenseMethod()
     elif fmt == "fp8_block":
         q, s = quantize_fp8_block(w)
         tensors, method = {"weight": q, "weight_scale_inv": s}, FP8BlockMethod()
+    elif fmt.startswith("ct_fp8"):
+        strategy = fmt.split("-")[1]
+        if strategy == "block":
+            q, s = quantize_fp8_block(w)
+        else:
+            s = w.abs().amax(1, keepdim=True) / 448  # [N, 1]
+            q = (w / s).to(torch.float8_e4m3fn)
+        tensors, method = {"weight": q, "weight_scale": s}, CTFloat8Method(strategy=strategy)
     else:
         q, scales, zeros = quantize_int_groupwise(w, 64)
-        if fmt == "awq":
+        if fmt.startswith("ct_int4"):
+            symmetric = fmt.endswith("sym") and not fmt.endswith("asym")
+            if symmetric:
+                zeros = torch.full_like(zeros, 8)  # codes kept: an encoding, not a fit
+            tensors = pack_quantized_tensors(q, scales.to(torch.bfloat16), zeros)
+            if symmetric:
+                del tensors["weight_zero_point"]
+            method = CTPackedInt4Method(group_size=64, symmetric=symmetric)
+        elif fmt == "awq":
             qw, qz, sc = to_awq_tensors(q, scales, zeros)
             tensors, method = {"qweight": qw, "qzeros": qz, "scales": sc}, AWQMethod(group_size=64)
         else:
@@ -40,9 +59,10 @@ def _linear(fmt: str, n: int, seed: int) -> QuantLinear:
     return lin
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8_block", "awq", "gptq"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8_block", "awq", "gptq", "ct_int4-asym", "ct_int4-sym",
+                                 "ct_fp8-block", "ct_fp8-channel"])
 def test_concat_equals_side_by_side(fmt):
-    first, second = _linear(fmt, 384, 1), _linear(fmt, 72 if fmt != "fp8_block" else 200, 2)
+    first, second = _linear(fmt, 384, 1), _linear(fmt, 200 if "fp8" in fmt else 72, 2)
     refs = []
     for m in (first, second):
         m = copy.deepcopy(m)
@@ -62,3 +82,8 @@ def test_refuses_what_it_cannot_fuse():
     assert concat_linears(a, b, "x") is None
     assert list(a.parameters(recurse=False))  # untouched
     assert concat_linears(_linear("dense", 128, 1), _linear("awq", 128, 2), "x") is None
+    a, b = _linear("ct_int4-asym", 128, 1), _linear("ct_int4-sym", 128, 2)  # symmetry differs
+    assert concat_linears(a, b, "x") is None and list(a.parameters(recurse=False))
+    a, b = _linear("ct_fp8-block", 128, 1), _linear("ct_fp8-block", 128, 2)
+    b.method.dynamic_activations = True  # W8A16 beside W8A8
+    assert concat_linears(a, b, "x") is None

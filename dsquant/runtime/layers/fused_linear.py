@@ -10,11 +10,17 @@ Concatenation along N, per format (the tensors as the checkpoint stores them):
   fp8_block  weight [N, K], weight_scale_inv [N/128, K/128]   dim 0; the first N must be a multiple of 128
   awq        qweight/qzeros [.., N/8], scales [.., N]        dim 1; N multiples of 8, same group size
   gptq       qweight/scales [.., N], qzeros [.., N/8]        dim 1; N multiples of 8, equal g_idx
-Other formats, biases, or mismatched formats keep the two linears.
+  ct_int4    weight_packed [N, K/8], weight_scale [N, G],     dim 0; N multiples of 8; weight_shape
+             weight_zero_point [N/8, G] (asymmetric only)     rewritten to [N1 + N2, K]
+  ct_fp8     weight [N, K], weight_scale [N/128, K/128]       dim 0; block strategy: the first N a
+             (block) or [N, 1] (channel)                      multiple of 128; tensor strategy not fused
+The two methods must be equal (group size, symmetry, activation quantization, ...). Other formats,
+biases, or mismatched methods keep the two linears.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import torch
@@ -26,7 +32,26 @@ log = logging.getLogger(__name__)
 
 # format -> (checkpoint tensors concatenated, dim, multiple the first N must be of)
 _CONCAT = {"dense": (("weight",), 0, 1), "fp8_block": (("weight", "weight_scale_inv"), 0, 128),
-           "awq": (("qweight", "qzeros", "scales"), 1, 8), "gptq": (("qweight", "qzeros", "scales"), 1, 8)}
+           "awq": (("qweight", "qzeros", "scales"), 1, 8), "gptq": (("qweight", "qzeros", "scales"), 1, 8),
+           "ct_int4": (("weight_packed", "weight_scale", "weight_zero_point"), 0, 8),
+           "ct_fp8": (("weight", "weight_scale"), 0, 128)}
+
+
+def _multiple(method) -> int:
+    """The multiple the first linear's N must be of for the concatenation to keep the layout."""
+    if method.name == "ct_fp8" and method.strategy == "channel":
+        return 1
+    return _CONCAT[method.name][2]
+
+
+def _same_method(a, b) -> bool:
+    """Same format with the same settings (a dataclass method's fields; `source` only names a file)."""
+    if type(a) is not type(b):
+        return False
+    if not dataclasses.is_dataclass(a):
+        return True
+    fields = [f.name for f in dataclasses.fields(a) if f.name != "source"]
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
 def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> QuantLinear | None:
@@ -36,22 +61,26 @@ def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> Quan
     why = None
     if fmt != second.method.name or fmt not in _CONCAT:
         why = f"formats {fmt} / {second.method.name}"
+    elif not _same_method(first.method, second.method):
+        why = f"{fmt} settings differ"
+    elif fmt == "ct_fp8" and first.method.strategy == "tensor":
+        why = "per-tensor FP8 scales"
     elif first.bias is not None or second.bias is not None:
         why = "biases"
     elif first.in_features != second.in_features:
         why = "input sizes differ"
-    elif first.out_features % _CONCAT[fmt][2]:
-        why = f"{first.prefix} has {first.out_features} outputs, not a multiple of {_CONCAT[fmt][2]}"
-    elif first.method.group_size != second.method.group_size:
-        why = "group sizes differ"
+    elif first.out_features % _multiple(first.method):
+        why = f"{first.prefix} has {first.out_features} outputs, not a multiple of {_multiple(first.method)}"
     elif fmt == "gptq" and not torch.equal(first.g_idx, second.g_idx):
         why = "g_idx differ"
-    if why is None and any(m._parameters.get(t) is None for m in (first, second) for t in _CONCAT[fmt][0]):
+    names, dim, _ = _CONCAT[fmt]
+    if fmt == "ct_int4" and first.method.symmetric:
+        names = names[:2]  # symmetric: no zero points
+    if why is None and any(m._parameters.get(t) is None for m in (first, second) for t in names):
         why = "tensors already repacked"
     if why is not None:
         log.debug("%s: not fused (%s)", prefix, why)
         return None
-    names, dim, _ = _CONCAT[fmt]
     fused = QuantLinear(copy.copy(first.method), prefix, first.in_features,
                         first.out_features + second.out_features, bias=False)
     fused.compute_dtype = first.compute_dtype
@@ -62,6 +91,9 @@ def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> Quan
         fused._parameters[name] = torch.nn.Parameter(torch.cat([a, b], dim=dim), requires_grad=False)
     if fmt == "gptq":
         fused._parameters["g_idx"] = first.g_idx
+    if fmt == "ct_int4":  # the original [N, K] of the packed weight
+        shape = torch.tensor([fused.out_features, first.in_features], dtype=torch.int64)
+        fused._parameters["weight_shape"] = torch.nn.Parameter(shape, requires_grad=False)
     for m in (first, second):
         m._parameters.clear()  # the loader skips linears without tensors
     return fused
