@@ -29,7 +29,8 @@
 #   quantize:   v3 (scripts/calib_plan.py, DeepSeek-V3 layers), v2lite8 (AWQ of an 8-layer V2-Lite shape),
 #               v2prof (the same, timed phase by phase: scripts/profile_quantize.py),
 #               validate8 (RTN and FP8 artifacts of that shape validated against it)
-#   tune:       tune1, tune4, ... (dsquant tune of dsq-tiny-v3 at --max-ppl-increase N; TUNE_ARGS: more options),
+#   tune:       tune1, tune4, ... (dsquant tune of dsq-tiny-v3 at --max-ppl-increase N; TUNE_ARGS: more options;
+#               TUNE_MODEL: another model dir, or v2lite8 for the random 8-layer V2-Lite shape; TUNE_TAG: output suffix),
 #               tuneprof (after tune$TUNE_B: scripts/recipe_step_profile.py on its artifacts, PDL off and on)
 # Each step's limit is an env variable (STEP_S, e.g. DEMO_S=300); see the case below.
 set -uo pipefail
@@ -195,10 +196,12 @@ main()" > "$OUT/tpbench.txt" 2>&1 ;;  # issue 26: V2-Lite at TP=N against TP=1 (
         [ -e "$d/artifact" ] || ln -s "$W/tune-b$b/artifact" "$d/artifact"
         for pdl in 0 1; do DSQUANT_PDL=$pdl timeout "${TUNEPROF_S:-120}" python3 scripts/recipe_step_profile.py \
             "$OUT/tuneprof-pdl$pdl.json" $M "$d" fp8-block awq-w4g128 artifact >> "$OUT/tuneprof.txt" 2>&1; done ;;
-    tune*) b=${step#tune}; timeout "${TUNE_S:-290}" python3 -m dsquant tune $M --device cuda --max-ppl-increase "$b" \
-           --batch 1,64 --latency-cache "$W/tune-latency" -o "$W/tune-b$b" ${TUNE_ARGS:-} > "$OUT/tune-b$b.txt" 2>&1
-         echo "tune rc=$?" >> "$OUT/tune-b$b.txt"; mkdir -p "$OUT/tune-b$b"
-         (cd "$W/tune-b$b" && cp -r tune.json tune.md pareto.png recipe.yaml validate "$W/tune-latency" "$OUT/tune-b$b/" 2>/dev/null) ;;
+    tune*) b=${step#tune}; tm=${TUNE_MODEL:-$M}; t=tune-b$b${TUNE_TAG:-}
+         : > "$OUT/$t.txt"; if [ "$tm" = v2lite8 ]; then v2lite8_checkpoint >> "$OUT/$t.txt" 2>&1; tm="$W/v2lite8"; fi
+         timeout "${TUNE_S:-290}" python3 -m dsquant tune "$tm" --device cuda --max-ppl-increase "$b" \
+           --batch 1,64 --latency-cache "$W/tune-latency" -o "$W/$t" ${TUNE_ARGS:-} >> "$OUT/$t.txt" 2>&1
+         echo "tune rc=$?" >> "$OUT/$t.txt"; mkdir -p "$OUT/$t"
+         (cd "$W/$t" && cp -r tune.json tune.md pareto.png recipe.yaml validate "$W/tune-latency" "$OUT/$t/" 2>/dev/null) ;;
     msprobe) ms_models=$M  # multi-step decoding against single steps; MS_FP8=1: fp8-block too
         if [ -n "${MS_FP8:-}" ]; then
           [ -d "$W/v-fp8-block" ] || timeout 120 python3 -m dsquant quantize $M --recipe fp8-block -o "$W/v-fp8-block" \
