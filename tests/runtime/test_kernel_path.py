@@ -43,10 +43,14 @@ def test_kernels_match_torch_path(family, tiny_models):
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("scheme,fmt,folded", [("awq", "int4", 1), ("fp8", "fp8", 1), ("gptq", "bf16", 0)])
+@pytest.mark.parametrize("scheme,fmt,folded", [
+    ("awq", "int4", 1), ("gptq-plain", "int4", 1), ("ct", "int4", 1), ("fp8", "fp8", 1), ("ct-fp8", "fp8", 1),
+    ("gptq", "bf16", 0)])
 def test_fused_moe_over_quantized_experts(scheme, fmt, folded, wide_moe, tmp_path):
-    """Shared experts in the routed experts' format are folded into the grouped GEMMs; GPTQ experts
-    run dequantized, so its GPTQ shared expert stays a separate MLP."""
+    """Experts of every INT4 source (AWQ, GPTQ without act-order, compressed-tensors pack-quantized)
+    and W8A8 FP8 block source run on the quantized grouped GEMMs, and shared experts in the routed
+    experts' format are folded into them; act-order GPTQ experts run dequantized, so its shared
+    expert stays a separate MLP."""
     quant, _ = write_pair(wide_moe, tmp_path, scheme)
     eng = []
     assert tokens(quant, kernels=True, engine_out=eng) == tokens(quant, kernels=False)
@@ -96,7 +100,8 @@ def test_fp8_experts_off_the_128_grid_run_dequantized(tmp_path):
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("scheme,tol", [(None, 1e-5), ("awq", 1e-4), ("fp8", 3e-2)])
+@pytest.mark.parametrize("scheme,tol", [(None, 1e-5), ("awq", 1e-4), ("gptq-plain", 1e-4), ("ct", 1e-4),
+                                        ("fp8", 3e-2), ("ct-fp8", 3e-2)])
 def test_folded_shared_experts_give_the_reference_moe_output(scheme, tol, wide_moe, tmp_path):
     """The MoE block with its shared expert folded into the grouped experts (kernel path) against
     the reference block (expert loop + dense shared MLP) on the same weights and fresh inputs."""

@@ -206,3 +206,52 @@ def test_fp8_layer_keeps_one_zero_counter_buffer_gpu(method):
         torch.cuda.synchronize()
         assert layer.splitk_counters is counters and int(counters.abs().sum()) == 0, m
         torch.testing.assert_close(y.float().cpu(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq-v2", "ct-asym", "ct-sym"])
+def test_int4_codes_rebuild_the_weight(fmt):
+    """int4_codes, what the fused MoE stacks every INT4 source's experts from, decodes to the weight the
+    format encodes, and int4_experts packs those codes into the grouped GEMM's layout losslessly
+    (GPTQ v1's zero point 16 included)."""
+    from dsquant.runtime.kernels.moe.fused_moe_int4 import dequantize_int4_experts, int4_experts
+
+    q, z, s = codes(3)
+    if fmt == "gptq":
+        z[0, 0] = 16  # v1 stores z - 1: 16 is its largest zero point
+    if fmt == "ct-sym":
+        z = torch.full_like(z, 8)
+    if fmt == "awq":
+        layer = QuantLinear(AWQMethod(group_size=G), "m", K, N, False)
+        tensors = {"qweight": pack_awq(q.t()), "qzeros": pack_awq(z.t()), "scales": s.t().contiguous().half()}
+    elif fmt.startswith("gptq"):
+        v2 = fmt == "gptq-v2"
+        layer = QuantLinear(GPTQMethod(group_size=G, v2=v2), "m", K, N, False)
+        tensors = {"qweight": pack_gptq_qweight(q.t()), "qzeros": pack_gptq_qzeros(z.t(), v2=v2),
+                   "scales": s.t().contiguous().half(), "g_idx": (torch.arange(K) // G).to(torch.int32)}
+    else:
+        s = s.bfloat16().float()  # compressed-tensors stores the model's bf16 scales
+        symmetric = fmt == "ct-sym"
+        layer = QuantLinear(CTPackedInt4Method(group_size=G, symmetric=symmetric), "m", K, N, False)
+        tensors = {"weight_packed": pack_to_int32((q - 8).to(torch.int8), 4), "weight_scale": s.bfloat16(),
+                   "weight_shape": torch.tensor([N, K])}
+        if not symmetric:
+            tensors["weight_zero_point"] = pack_to_int32((z - 8).to(torch.int8), 4, packed_dim=0)
+    fill(layer, tensors)
+    cq, cz, cs = layer.method.int4_codes(layer)  # [N, K], [K/G, N], [K/G, N]
+    assert cq.shape == (N, K) and cz.shape == cs.shape == (K // G, N)
+    w_ref = grouped_weight(q, z, s, torch.arange(K) // G)
+    g = torch.arange(K) // G
+    torch.testing.assert_close((cq - cz.t()[:, g]).float() * cs.float().t()[:, g], w_ref, rtol=0, atol=0)
+    packed = int4_experts(cq[None].to(torch.uint8), cz[None], cs[None], G)
+    torch.testing.assert_close(dequantize_int4_experts(packed)[0], w_ref, rtol=0, atol=0)
+
+
+def test_act_order_gptq_has_no_contiguous_int4_codes():
+    q, z, s = codes(4)
+    g_idx = torch.empty(K, dtype=torch.int32)
+    g_idx[torch.randperm(K, generator=torch.Generator().manual_seed(5))] = (torch.arange(K) // G).to(torch.int32)
+    layer = QuantLinear(GPTQMethod(group_size=G), "m", K, N, False)
+    fill(layer, {"qweight": pack_gptq_qweight(q.t()), "qzeros": pack_gptq_qzeros(z.t()),
+                 "scales": s.t().contiguous().half(), "g_idx": g_idx})
+    with pytest.raises(ValueError, match="act-order"):
+        layer.method.int4_codes(layer)

@@ -36,9 +36,9 @@ def encode(scheme: str, name: str, w: torch.Tensor, seed: int):
         qw, qz, sc = to_awq_tensors(q, s, z)
         return ({f"{mod}.qweight": qw, f"{mod}.qzeros": qz, f"{mod}.scales": sc},
                 dequantize_awq(qw, qz, sc, G))
-    if scheme == "gptq":  # act-order: groups follow a random visiting order of the input channels
-        k = w.shape[1]
-        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    if scheme.startswith("gptq"):  # act-order: groups follow a random visiting order of the input channels
+        k = w.shape[1]  # gptq-plain: no act-order, g_idx the identity's groups
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if scheme == "gptq" else torch.arange(k)
         inv = torch.argsort(perm)
         q, s, z = quantize_int_groupwise(w[:, perm], G)
         g_idx = (inv // G).to(torch.int32)
@@ -46,9 +46,9 @@ def encode(scheme: str, name: str, w: torch.Tensor, seed: int):
         sc = s.t().contiguous().half()
         return ({f"{mod}.qweight": qw, f"{mod}.qzeros": qz, f"{mod}.scales": sc, f"{mod}.g_idx": g_idx},
                 dequantize_gptq(qw, qz, sc, g_idx))
-    if scheme == "fp8" or (scheme == "ct" and ".self_attn." in name):
+    if scheme in ("fp8", "ct-fp8") or (scheme == "ct" and ".self_attn." in name):
         fp8, sinv = quantize_fp8_block(w)
-        key = "weight_scale" if scheme == "ct" else "weight_scale_inv"
+        key = "weight_scale" if scheme.startswith("ct") else "weight_scale_inv"
         return {f"{mod}.weight": fp8, f"{mod}.{key}": sinv}, dequantize_fp8_block(fp8, sinv)
     q, s, z = quantize_int_groupwise(w, G)  # compressed-tensors pack-quantized int4
     s = s.bfloat16()
@@ -62,6 +62,7 @@ QCONFIG = {
     "awq": {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True, "version": "gemm",
             "modules_to_not_convert": None},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": True, "sym": False},
+    "gptq-plain": {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": False, "sym": False},
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
     "ct": {"quant_method": "compressed-tensors", "format": "mixed-precision", "ignore": ["lm_head"],
            "config_groups": {
@@ -71,6 +72,13 @@ QCONFIG = {
                "group_1": {"targets": [r"re:^model\.layers\.\d+\.mlp\..*$"], "format": "pack-quantized",
                            "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
                                        "group_size": G}}}},
+    "ct-fp8": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+               "config_groups": {"group_0": {
+                   "targets": ["Linear"],
+                   "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                               "block_structure": [128, 128]},
+                   "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+                                         "group_size": 128, "dynamic": True}}}},
 }
 
 

@@ -44,6 +44,11 @@ class CTPackedInt4Method(LinearMethod):
             z = unpack_int4_rows(layer.weight_zero_point.t().contiguous()).t()[:n]  # [N, G]
         return q[:, :k], z, s
 
+    def int4_codes(self, layer):
+        """-> (codes [N, K] 0..15, zero points [K/G, N], scales [K/G, N] in the stored dtype)."""
+        q, z, s = self._codes(layer)
+        return q, z.t(), s.t().to(layer.weight_scale.dtype)
+
     def dequantized_weight(self, layer, dtype):
         q, z, s = self._codes(layer)
         k = q.shape[1]
@@ -88,6 +93,12 @@ class CTFloat8Method(LinearMethod):
             return fp8_block.dequantize_fp8_block(layer.weight, layer.weight_scale, dtype, self.block)
         scale = layer.weight_scale.to(torch.float32).reshape(-1, 1)  # [N or 1, 1]
         return (layer.weight.to(torch.float32) * scale).to(dtype)
+
+    def fp8_block_tensors(self, layer):
+        """-> (weight e4m3 [N, K], scale fp32 [N/128, K/128]); a ValueError for channel or tensor scales."""
+        if self.strategy != "block" or self.block != fp8_block.FP8_BLOCK:
+            raise ValueError(f"FP8 {self.strategy} scales (the grouped FP8 GEMM takes 128 x 128 blocks)")
+        return layer.weight, layer.weight_scale
 
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.weight):

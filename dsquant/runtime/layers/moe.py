@@ -3,12 +3,15 @@
 On CUDA, `FusedMoE.prepare(decoder_layer)` runs right after the layer's tensors load (before each
 Linear repacks itself): the experts' per-module tensors are stacked into the fused kernel's
 grouped layout (fused_moe.py: w13 = gate rows then up rows [E, 2I, H], w2 [E, H, I]) and the
-per-expert tensors are dropped. Formats: bf16/fp16 experts as they are; AWQ INT4 experts through
-int4_experts_from_awq; FP8 block experts through fp8_experts; GPTQ and compressed-tensors INT4
-experts, and shapes the quantized grouped GEMMs refuse (ValueError), are dequantized once to the
-model dtype and run as bf16 experts.
+per-expert tensors are dropped. Formats: bf16/fp16 experts as they are; INT4 experts of every
+source (AWQ gemm, GPTQ v1/v2 without act-order, compressed-tensors pack-quantized: each method's
+`int4_codes`) through int4_experts; W8A8 FP8 block experts (fp8_block, compressed-tensors block
+strategy: `fp8_block_tensors`) through fp8_experts. What the grouped GEMMs refuse (ValueError: act-order
+GPTQ, group sizes other than 32/64/128, off-grid shapes, FP8 channel/tensor scales or weight-only FP8,
+whose activations the FP8 grouped GEMM would quantize) is dequantized once to the model dtype and runs
+as bf16 experts, with the reason logged.
 Shared experts are folded into the grouped experts when their linears have the routed experts'
-format (dense, AWQ INT4 with the same group size, FP8 block) and the module is not expert parallel
+format and settings (FOLDABLE) and the module is not expert parallel
 (ExpertParallel renumbers this rank's routed experts and shards the shared MLP like a dense one):
 the shared MLP of intermediate n*I is cut into n experts of width I, stacked after the E routed ones
 (ids E .. E + n - 1), its tensors dropped; `runs_shared_experts(module)` tells MoE.forward to skip
@@ -30,13 +33,15 @@ __all__ = ["FusedMoE", "LoopMoE"]
 log = logging.getLogger(__name__)
 
 
-FOLDABLE = ("dense", "awq", "fp8_block")
-# checkpoint tensor -> (its out-features axis, its in-features axis)
-AXES = {"weight": (0, 1), "weight_scale_inv": (0, 1), "qweight": (1, 0), "qzeros": (1, 0), "scales": (1, 0)}
-
-
-def _stack(experts, proj: str, attr: str) -> torch.Tensor:
-    return torch.stack([getattr(getattr(e, proj), attr) for e in experts])
+FOLDABLE = ("dense", "awq", "gptq", "fp8_block", "ct_int4", "ct_fp8")
+INT4 = ("awq", "gptq", "ct_int4")
+FP8 = ("fp8_block", "ct_fp8")
+# checkpoint tensor -> (its out-features axis, its in-features axis); AWQ and GPTQ share qweight / qzeros /
+# scales' axes, compressed-tensors' weight_packed [N, K/8], weight_scale, weight_zero_point [N/8, G] theirs
+AXES = {"weight": (0, 1), "weight_scale_inv": (0, 1), "qweight": (1, 0), "qzeros": (1, 0), "scales": (1, 0),
+        "weight_packed": (0, 1), "weight_scale": (0, 1), "weight_zero_point": (0, 1)}
+# tensors a stand-in does without: the packed shape (the codes carry it), a plain g_idx (checked below)
+DERIVED = ("weight_shape", "g_idx")
 
 
 def _method_key(linear):
@@ -60,6 +65,12 @@ def _shared_as_experts(module, routed) -> list:
         for attr, t in getattr(shared, p)._parameters.items():
             if t is None:
                 continue
+            if attr == "g_idx":
+                g = t.to(torch.long)
+                if not torch.equal(g, torch.arange(len(g), device=g.device) // (len(g) // (int(g.max()) + 1))):
+                    return []  # act-order: its groups are not runs of K, which the cut and the kernel need
+            if attr in DERIVED:
+                continue
             if attr not in AXES or getattr(ref, attr, None) is None:
                 return []
             axis = AXES[attr][1 if p == "down_proj" else 0]
@@ -72,6 +83,32 @@ def _shared_as_experts(module, routed) -> list:
     return [SimpleNamespace(**{p: SimpleNamespace(method=getattr(shared, p).method,
                                                   compute_dtype=getattr(shared, p).compute_dtype, **part[p])
                                for p in projs}) for part in parts]
+
+
+def _int4_grouped(experts, projs: tuple[str, ...]):
+    """GroupedWeight("int4") of each expert's `projs` (their rows concatenated), from the methods' codes."""
+    from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts
+
+    codes, zeros, scales = [], [], []
+    for e in experts:
+        parts = [getattr(e, p).method.int4_codes(getattr(e, p)) for p in projs]
+        codes.append(torch.cat([q for q, _, _ in parts], dim=0).to(torch.uint8))  # [N, K], 0..15
+        zeros.append(torch.cat([z for _, z, _ in parts], dim=1))  # [K/G, N]
+        scales.append(torch.cat([s for _, _, s in parts], dim=1))  # [K/G, N]
+    k, groups = codes[0].shape[1], zeros[0].shape[0]
+    return int4_experts(torch.stack(codes), torch.stack(zeros), torch.stack(scales), k // groups)
+
+
+def _fp8_grouped(experts, projs: tuple[str, ...]):
+    """GroupedWeight("fp8") of each expert's `projs` (rows, and rows of 128-blocks, concatenated)."""
+    from dsquant.runtime.kernels.moe.fused_moe_fp8 import fp8_experts
+
+    weights, scales = [], []
+    for e in experts:
+        parts = [getattr(e, p).method.fp8_block_tensors(getattr(e, p)) for p in projs]
+        weights.append(torch.cat([w for w, _ in parts], dim=0))  # [N, K] e4m3
+        scales.append(torch.cat([s for _, s in parts], dim=0).float())  # [N/128, K/128]
+    return fp8_experts(torch.stack(weights), torch.stack(scales))
 
 
 class FusedMoE:
@@ -99,8 +136,9 @@ class FusedMoE:
         shared = _shared_as_experts(module, experts) if module.backend is self else []
         try:  # MoeWeights checks what the grouped GEMMs take (e.g. fp8: intermediate % 128 == 0)
             weights = MoeWeights(*self._grouped(module, experts + shared))
-        except ValueError as e:  # a shape the quantized grouped GEMM does not take: run bf16 experts
-            log.info("layer %d: %s; running the experts dequantized", decoder_layer.layer_idx, e)
+        except ValueError as e:  # what the quantized grouped GEMMs do not take: run bf16 experts
+            log.warning("layer %d: %s; running the experts dequantized (model dtype: more memory, slower)",
+                        decoder_layer.layer_idx, e)
             shared = []
             weights = MoeWeights(*self._grouped(module, experts, dense=True))
         self.weights[module] = weights
@@ -111,32 +149,29 @@ class FusedMoE:
                 proj._parameters.clear()
 
     def _grouped(self, module, experts, dense: bool = False):
+        """-> (w13, w2) GroupedWeights of `experts` (gate and up rows concatenated in w13); a
+        ValueError for what the quantized grouped GEMMs do not take."""
         from dsquant.runtime.kernels.moe.fused_moe import bf16_experts
 
-        method = "dense" if dense else experts[0].gate_proj.method.name
-        if method == "awq":
-            from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts_from_awq
+        method = experts[0].gate_proj.method
+        name = "dense" if dense else method.name
+        if name in INT4 + FP8:
+            keys = {repr(_method_key(getattr(e, p))) for e in experts for p in ("gate_proj", "up_proj", "down_proj")}
+            if len(keys) != 1:
+                raise ValueError(f"the experts' {name} settings differ")
+        if name in INT4:
+            return _int4_grouped(experts, ("gate_proj", "up_proj")), _int4_grouped(experts, ("down_proj",))
+        if name in FP8:
+            if not method.dynamic_activations:
+                raise ValueError("weight-only FP8 experts (the FP8 grouped GEMM quantizes the activations)")
+            return _fp8_grouped(experts, ("gate_proj", "up_proj")), _fp8_grouped(experts, ("down_proj",))
 
-            g = experts[0].gate_proj.method.group_size
-            cat = {a: torch.cat([_stack(experts, "gate_proj", a), _stack(experts, "up_proj", a)], dim=-1)
-                   for a in ("qweight", "qzeros", "scales")}  # AWQ packs along N: concat N = rows of w13
-            w13 = int4_experts_from_awq(cat["qweight"], cat["qzeros"], cat["scales"], g)
-            w2 = int4_experts_from_awq(*(_stack(experts, "down_proj", a) for a in ("qweight", "qzeros", "scales")), g)
-        elif method == "fp8_block":
-            from dsquant.runtime.kernels.moe.fused_moe_fp8 import fp8_experts
-
-            cat = {a: torch.cat([_stack(experts, "gate_proj", a), _stack(experts, "up_proj", a)], dim=1)
-                   for a in ("weight", "weight_scale_inv")}
-            w13 = fp8_experts(cat["weight"], cat["weight_scale_inv"].float())
-            w2 = fp8_experts(_stack(experts, "down_proj", "weight"),
-                             _stack(experts, "down_proj", "weight_scale_inv").float())
-        else:
-            def dense(proj):
-                return torch.stack([getattr(e, proj).method.dequantized_weight(getattr(e, proj),
-                                                                               getattr(e, proj).compute_dtype)
-                                    for e in experts])
-            w13 = bf16_experts(torch.cat([dense("gate_proj"), dense("up_proj")], dim=1).contiguous())
-            w2 = bf16_experts(dense("down_proj").contiguous())
+        def dense_stack(proj):
+            return torch.stack([getattr(e, proj).method.dequantized_weight(getattr(e, proj),
+                                                                           getattr(e, proj).compute_dtype)
+                                for e in experts])
+        w13 = bf16_experts(torch.cat([dense_stack("gate_proj"), dense_stack("up_proj")], dim=1).contiguous())
+        w2 = bf16_experts(dense_stack("down_proj").contiguous())
         return w13, w2
 
     def experts(self, module, x, topk_ids, topk_weights, shared_output=None, residual=None, defer_sum=False):

@@ -95,6 +95,10 @@ class AWQMethod(LinearMethod):
     def _group(self, layer) -> int:
         return layer.qweight.shape[0] if self.group_size <= 0 else self.group_size
 
+    def int4_codes(self, layer):
+        """-> (codes [N, K] 0..15, zero points [K/G, N], scales [K/G, N] as stored): W = (q - z) * s."""
+        return awq_gemm.unpack_awq(layer.qweight).t(), awq_gemm.unpack_awq(layer.qzeros), layer.scales
+
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.qweight):
             return super().process_weights_after_loading(layer)
@@ -140,6 +144,17 @@ class GPTQMethod(LinearMethod):
     def dequantized_weight(self, layer, dtype):
         return gptq.dequantize_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, dtype, v2=self.v2)
 
+    def int4_codes(self, layer):
+        """-> (codes [N, K] 0..15, zero points [K/G, N] (v1: 1..16), scales [K/G, N] as stored); a
+        ValueError for act-order g_idx (its groups are not contiguous runs of K)."""
+        k, groups = layer.qweight.shape[0] * 8, layer.scales.shape[0]
+        g_idx = getattr(layer, "g_idx", None)
+        if g_idx is not None and not torch.equal(g_idx.to(torch.long),
+                                                 torch.arange(k, device=g_idx.device) // (k // groups)):
+            raise ValueError("act-order g_idx: the groups are not contiguous runs of the input channels")
+        return (gptq.unpack_gptq_qweight(layer.qweight).t(), gptq.unpack_gptq_qzeros(layer.qzeros, self.v2),
+                layer.scales)
+
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.qweight):
             return super().process_weights_after_loading(layer)
@@ -175,6 +190,10 @@ class FP8BlockMethod(LinearMethod):
 
     def dequantized_weight(self, layer, dtype):
         return fp8_block.dequantize_fp8_block(layer.weight, layer.weight_scale_inv, dtype, self.block)
+
+    def fp8_block_tensors(self, layer):
+        """-> (weight e4m3 [N, K], scale_inv fp32 [N/128, K/128]) as the checkpoint stores them."""
+        return layer.weight, layer.weight_scale_inv
 
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.weight):

@@ -1,4 +1,5 @@
-"""INT4 experts: repack AutoAWQ "gemm" expert tensors into the grouped GEMM's layout, at load.
+"""INT4 experts: repack expert codes (AutoAWQ "gemm" tensors, or any source's unpacked codes) into
+the grouped GEMM's layout, at load.
 
 AWQ per expert (stacked over E): qweight int32 [E, K, N/8] (8 nibbles along N in the order
 0,2,4,6,1,3,5,7), qzeros int32 [E, K/G, N/8] (same order), scales [E, K/G, N]; W^T = (q - z) * s.
@@ -25,26 +26,39 @@ GROUP_SIZES = (32, 64, 128)
 def int4_experts_from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                           group_size: int) -> GroupedWeight:
     """Stacked AWQ gemm tensors of E experts -> GroupedWeight("int4") (see module docstring)."""
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"int4 experts support group_size in {GROUP_SIZES}, got {group_size}")
     if qweight.dim() != 3 or qweight.dtype != torch.int32:
         raise ValueError(f"qweight must be int32 [E, K, N/8], got {qweight.dtype} {tuple(qweight.shape)}")
     e, k, n8 = qweight.shape
-    n = n8 * 8
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 experts support group_size in {GROUP_SIZES}, got {group_size}")
     if k % group_size or k % 8:
         raise ValueError(f"in_features K={k} must be a multiple of group_size {group_size} and of 8")
     if tuple(qzeros.shape) != (e, k // group_size, n8):
         raise ValueError(f"qzeros has shape {tuple(qzeros.shape)}, expected {(e, k // group_size, n8)}")
-    if tuple(scales.shape) != (e, k // group_size, n):
-        raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {(e, k // group_size, n)}")
+    return int4_experts(unpack_awq(qweight).transpose(1, 2), unpack_awq(qzeros), scales, group_size)
+
+
+def int4_experts(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> GroupedWeight:
+    """Unsigned grid codes [E, N, K] (0..15), zero points [E, K/G, N] (0..16: GPTQ v1 reaches 16) and
+    scales [E, K/G, N] of E experts (W = (q - z) * s, from any INT4 source) -> GroupedWeight("int4")."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 experts support group_size in {GROUP_SIZES}, got {group_size}")
+    if codes.dim() != 3:
+        raise ValueError(f"codes must be [E, N, K], got {tuple(codes.shape)}")
+    e, n, k = codes.shape
     if n % 16 or k % 128:
         raise ValueError(f"int4 experts need out_features % 16 == 0 and in_features % 128 == 0, got N={n}, K={k}")
-    codes = unpack_awq(qweight).transpose(1, 2)  # [E, N, K]
-    planes = codes.reshape(e, n // 16, 16, k // 128, 4, 16, 2)  # [e, chunk, r, tile, j % 4, i, j // 4]
-    planes = planes.permute(6, 4, 0, 1, 3, 2, 5).reshape(8, -1)  # [j, words]
-    packed = pack_gptq_qweight(planes).reshape(e, n // 16, k // 128, 16, 16)  # nibble j = plane j
-    zeros = unpack_awq(qzeros).to(torch.uint8).contiguous()  # [E, K/G, N]
-    return GroupedWeight("int4", packed.contiguous(), scales.contiguous(), zeros, group_size, n=n, k=k)
+    if tuple(zeros.shape) != (e, k // group_size, n):
+        raise ValueError(f"zeros have shape {tuple(zeros.shape)}, expected {(e, k // group_size, n)}")
+    if tuple(scales.shape) != (e, k // group_size, n):
+        raise ValueError(f"scales have shape {tuple(scales.shape)}, expected {(e, k // group_size, n)}")
+    packed = torch.empty(e, n // 16, k // 128, 16, 16, dtype=torch.int32, device=codes.device)
+    for x in range(e):  # one expert's int32 planes at a time (codes may come as uint8)
+        planes = codes[x].to(torch.int32).reshape(n // 16, 16, k // 128, 4, 16, 2)  # [chunk, r, tile, j%4, i, j//4]
+        planes = planes.permute(5, 3, 0, 2, 1, 4).reshape(8, -1)  # [j, words]
+        packed[x] = pack_gptq_qweight(planes).reshape(n // 16, k // 128, 16, 16)  # nibble j = plane j
+    return GroupedWeight("int4", packed, scales.contiguous(), zeros.to(torch.uint8).contiguous(),
+                         group_size, n=n, k=k)
 
 
 def dequantize_int4_experts(w: GroupedWeight) -> torch.Tensor:
