@@ -6,7 +6,8 @@ formats' dequantize_*, which the runtime calls: a bug there must not reach the r
 tensor, the names QuantLinear's methods read), the dense float64 [N, K], and config.json's
 quantization_config for LinearFactory. Formats: "fp8" (DeepSeek-V3 128 x 128 blocks), "awq"
 (AutoAWQ gemm), "gptq" (v1, plain g_idx; zero points >= 1, as v1 can store them),
-"gptq_act_order" (v1 with a permuted g_idx).
+"gptq_act_order" (v1 with a permuted g_idx), "ct_int4" (compressed-tensors pack-quantized, asymmetric,
+bf16 scales) and "ct_fp8" (compressed-tensors float-quantized, 128 x 128 blocks, dynamic W8A8).
 """
 from __future__ import annotations
 
@@ -15,12 +16,21 @@ from dataclasses import dataclass
 import torch
 
 from dsquant.formats.awq_gemm import to_awq_tensors
+from dsquant.formats.compressed_tensors import pack_quantized_tensors
 from dsquant.formats.fp8_block import quantize_fp8_block
 from dsquant.formats.gptq import pack_gptq_qweight, to_gptq_tensors
 from dsquant.formats.int_grid import quantize_int_groupwise
 from tests.realistic_weights import FP8_TILE, realistic_weight
 
-FORMATS = ("fp8", "awq", "gptq", "gptq_act_order")
+FORMATS = ("fp8", "awq", "gptq", "gptq_act_order", "ct_int4", "ct_fp8")
+CT_FP8_CONFIG = {  # compressed-tensors W8A8 FP8 block, every Linear
+    "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                    "block_structure": [128, 128]},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+                              "group_size": 128, "dynamic": True}}}}
 INT4_TILE_ROWS = 16  # rows per random factor for INT4 weights: group scales differ along N too
 
 
@@ -33,7 +43,7 @@ class QuantizedWeight:
 
 def tile_for(fmt: str, group: int) -> tuple[int, int]:
     """realistic_weight's tile for a format: one factor per FP8 block, or per 16 rows x one group."""
-    return FP8_TILE if fmt == "fp8" else (INT4_TILE_ROWS, group)
+    return FP8_TILE if fmt in ("fp8", "ct_fp8") else (INT4_TILE_ROWS, group)
 
 
 def realistic_quantized(fmt: str, n: int, k: int, *, seed: int, group: int = 128) -> QuantizedWeight:
@@ -43,10 +53,12 @@ def realistic_quantized(fmt: str, n: int, k: int, *, seed: int, group: int = 128
 
 def quantize(fmt: str, w: torch.Tensor, *, group: int = 128, seed: int = 0) -> QuantizedWeight:
     """w [N, K] float -> its checkpoint tensors in `fmt` and the float64 weight they encode."""
-    if fmt == "fp8":
+    if fmt in ("fp8", "ct_fp8"):
         q, s = quantize_fp8_block(w)  # [N, K] e4m3, [ceil(N/128), ceil(K/128)] fp32
         n, k = q.shape
         s64 = s.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        if fmt == "ct_fp8":
+            return QuantizedWeight({"weight": q, "weight_scale": s}, q.double() * s64, CT_FP8_CONFIG)
         return QuantizedWeight({"weight": q, "weight_scale_inv": s},
                                q.double() * s64,
                                {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
@@ -61,9 +73,15 @@ def quantize(fmt: str, w: torch.Tensor, *, group: int = 128, seed: int = 0) -> Q
         z = z.clamp(min=1)
         wg = w.float().reshape(n, k // group, group)
         q = (torch.round(wg / s[..., None]) + z[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
-    s16 = s.half()  # the checkpoint stores fp16 scales
+    s16 = s.bfloat16() if fmt == "ct_int4" else s.half()  # compressed-tensors stores bf16 scales, the rest fp16
     g = torch.arange(k) // group
     dense = (q.double() - z.double()[:, g]) * s16.double()[:, g]  # [N, K]
+    if fmt == "ct_int4":
+        return QuantizedWeight(
+            pack_quantized_tensors(q, s16, z), dense,
+            {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                 "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": group}}}})
     if fmt == "awq":
         qw, qz, sc = to_awq_tensors(q, s, z)
         return QuantizedWeight({"qweight": qw, "qzeros": qz, "scales": sc}, dense,

@@ -1,6 +1,7 @@
 """Tensor parallelism (runtime/parallel): shards hold exactly their slice of each weight format;
 TP=2 (two gloo processes on CPU) gives the logits and greedy tokens of TP=1 on both bundled
-models for BF16, INT4 (RTN, AWQ gemm layout) and FP8 block artifacts; bad sizes are refused.
+models for BF16, INT4 (RTN, AWQ gemm layout), FP8 block and compressed-tensors (mixed FP8 / INT4)
+artifacts; bad sizes are refused.
 
 Tolerances (float32 engine): BF16 and INT4 logits agree to 1e-4 (measured ~1e-5: the partial
 sums of row-parallel layers add in another order). FP8 block is W8A8: activations are re-quantized
@@ -18,9 +19,11 @@ import torch
 
 from dsquant.errors import ConfigError
 from dsquant.formats.awq_gemm import dequantize_awq, to_awq_tensors
+from dsquant.formats.compressed_tensors import pack_quantized_tensors
 from dsquant.formats.fp8_block import dequantize_fp8_block, fp8_activation_roundtrip, quantize_fp8_block
 from dsquant.formats.gptq import dequantize_gptq, pack_gptq_qweight, to_gptq_tensors, unpack_gptq_qweight
 from dsquant.formats.int_grid import quantize_int_groupwise
+from dsquant.runtime.layers.compressed_tensors import CTFloat8Method, CTPackedInt4Method
 from dsquant.runtime.layers.linear import QuantLinear
 from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod
 from dsquant.runtime.parallel import linear as tp_linear
@@ -32,17 +35,35 @@ from conftest import DictReader
 P = "model.layers.0.mlp.down_proj"
 
 
-def checkpoint(scheme: str, n: int, k: int, group: int = 128, act_order: bool = False, seed: int = 0):
+def checkpoint(scheme: str, n: int, k: int, group: int = 128, act_order: bool = False, seed: int = 0,
+               symmetric: bool = False, strategy: str = "block", dynamic: bool = True):
     """-> (tensors of module P in `scheme`, the dense [N, K] weight they encode, the method)."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * 0.1
+    w = torch.randn(n, k, generator=g) * 0.1 * 10 ** (torch.rand(n, 1, generator=g) * 2 - 1)  # rows' scales vary
     if scheme == "dense":
         return {f"{P}.weight": w, f"{P}.bias": torch.randn(n, generator=g)}, w, DenseMethod()
     if scheme == "fp8":
         fp8, sinv = quantize_fp8_block(w)
         return ({f"{P}.weight": fp8, f"{P}.weight_scale_inv": sinv}, dequantize_fp8_block(fp8, sinv),
                 FP8BlockMethod())
+    if scheme == "ct_fp8":
+        if strategy == "block":
+            fp8, scale = quantize_fp8_block(w)
+        else:
+            amax = w.abs().amax(1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+            scale = amax / 448
+            fp8 = (w / scale.reshape(-1, 1)).to(torch.float8_e4m3fn)
+        return _ct_dense({f"{P}.weight": fp8, f"{P}.weight_scale": scale},
+                         CTFloat8Method(strategy=strategy, dynamic_activations=dynamic))
     q, s, z = quantize_int_groupwise(w, group)
+    if scheme == "ct_int4":
+        if symmetric:
+            z = torch.full_like(z, 8)  # the codes kept: an encoding, not a fit
+        tensors = pack_quantized_tensors(q, s.bfloat16(), z)
+        if symmetric:
+            del tensors["weight_zero_point"]
+        return _ct_dense({f"{P}.{a}": t for a, t in tensors.items()},
+                         CTPackedInt4Method(group_size=group, symmetric=symmetric))
     if scheme == "awq":
         qw, qz, sc = to_awq_tensors(q, s, z)
         return ({f"{P}.qweight": qw, f"{P}.qzeros": qz, f"{P}.scales": sc},
@@ -54,6 +75,11 @@ def checkpoint(scheme: str, n: int, k: int, group: int = 128, act_order: bool = 
         g_idx = g_idx[perm]
     return ({f"{P}.qweight": qw, f"{P}.qzeros": qz, f"{P}.scales": sc, f"{P}.g_idx": g_idx},
             dequantize_gptq(qw, qz, sc, g_idx), GPTQMethod(group_size=group))
+
+
+def _ct_dense(tensors, method):
+    """(tensors, the weight the method decodes from them, method) for a compressed-tensors layer."""
+    return tensors, checkpoint_dense(tensors, method), method
 
 
 def load_shard(tensors, method, n, k, kind, rank, world=2, bias=False):
@@ -82,6 +108,11 @@ def checkpoint_dense(tensors, method):
         return tensors[f"{P}.weight"]
     if method.name == "fp8_block":
         return dequantize_fp8_block(tensors[f"{P}.weight"], tensors[f"{P}.weight_scale_inv"])
+    if method.name.startswith("ct_"):
+        layer = QuantLinear(method, P, 1, 1, False)
+        for name, t in tensors.items():
+            setattr(layer, name.rpartition(".")[2], torch.nn.Parameter(t, requires_grad=False))
+        return method.dequantized_weight(layer, torch.float32)
     if method.name == "awq":
         return dequantize_awq(tensors[f"{P}.qweight"], tensors[f"{P}.qzeros"], tensors[f"{P}.scales"],
                                       method.group_size)
@@ -103,6 +134,19 @@ CASES = [
     ("fp8", 256, 512, ROW, {}, None),
     ("fp8", 256, 128, ROW, {}, None),  # 64 channels per rank: activation groups span ranks
     ("fp8", 384, 128, COLUMN, {}, "dense"),  # rank 1's rows [192, 384) straddle blocks 1 and 2: both dense
+    ("ct_int4", 256, 256, COLUMN, {}, None),
+    ("ct_int4", 256, 256, COLUMN, {"symmetric": True}, None),
+    ("ct_int4", 256, 256, ROW, {}, None),  # K 128 per rank: whole groups
+    ("ct_int4", 256, 128, ROW, {"symmetric": True}, None),  # K 64 per rank inside one 128-group: re-grouped
+    ("ct_int4", 24, 128, COLUMN, {}, "dense"),  # 12 rows per rank: not whole zero-point packs
+    ("ct_fp8", 128, 256, COLUMN, {}, None),  # 64 rows per rank inside one 128-block
+    ("ct_fp8", 256, 512, ROW, {}, None),
+    ("ct_fp8", 256, 128, ROW, {}, "fp8_block"),  # W8A8, 64 channels a rank: RowShardFP8Method
+    ("ct_fp8", 256, 200, ROW, {"strategy": "channel"}, "dense"),  # W8A8 per-row scales, groups span ranks
+    ("ct_fp8", 256, 128, ROW, {"dynamic": False}, None),  # weight-only: the same split keeps its layout
+    ("ct_fp8", 384, 128, COLUMN, {"strategy": "channel"}, None),  # per-row scales split anywhere
+    ("ct_fp8", 256, 200, ROW, {"strategy": "channel", "dynamic": False}, None),
+    ("ct_fp8", 256, 200, ROW, {"strategy": "tensor", "dynamic": False}, None),
 ]
 
 
@@ -116,10 +160,12 @@ def test_each_rank_holds_exactly_its_slice_of_the_weight(scheme, n, k, kind, kw,
         assert layer.method.name == (expect or method.name)
         got = layer.method.dequantized_weight(layer, torch.float32)
         torch.testing.assert_close(got, want.float(), rtol=0, atol=0)
+        if expect == "fp8_block":  # a compressed-tensors W8A8 row split off the groups: fp8_block's row shard
+            assert isinstance(layer.method, RowShardFP8Method) and f"{P}.weight_scale" in hidden
         if expect == "dense":  # the packed tensors are not read again under their own names
             assert hidden and all(key in tensors for key in hidden)
             # a W8A8 layer loaded dense still quantizes its activations
-            assert isinstance(layer.method, ActQuantDenseMethod) == (scheme == "fp8")
+            assert isinstance(layer.method, ActQuantDenseMethod) == (scheme in ("fp8", "ct_fp8"))
 
 
 def test_row_parallel_bias_stays_on_rank_0_and_partial_outputs_sum_to_the_full_layer():
@@ -159,8 +205,9 @@ def test_fp8_activation_groups_split_across_ranks_quantize_like_the_unsplit_laye
 
 # ---------------------------------------------------------------- TP=2 processes against TP=1
 MODELS = ("dsq-tiny-v3", "dsq-tiny-qwen2")
-RECIPES = {"bf16": None, "int4": "rtn-w4g128", "fp8": "fp8-block"}
-TOLERANCE = {"bf16": 1e-4, "int4": 1e-4, "fp8": 1.0}
+# "ct": compressed-tensors (FP8 block attention and shared experts, AWQ INT4 routed experts / dense MLP)
+RECIPES = {"bf16": None, "int4": "rtn-w4g128", "fp8": "fp8-block", "ct": "mixed-fp8attn-w4experts"}
+TOLERANCE = {"bf16": 1e-4, "int4": 1e-4, "fp8": 1.0, "ct": 1.0}
 PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 12], [8, 8, 200, 3000, 4], list(range(20, 50))]
 MEASURED: dict = {}
 

@@ -101,7 +101,7 @@ def shards(qw: QuantizedWeight, n: int, k: int, kind: str, world: int, device, d
 
 
 def w8a8(qw: QuantizedWeight) -> bool:
-    return qw.config.get("quant_method") == "fp8"
+    return qw.config.get("quant_method") == "fp8" or qw.config.get("format") == "float-quantized"
 
 
 def reference(qw: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
@@ -113,14 +113,15 @@ def reference(qw: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
 def check_slices(qw: QuantizedWeight, layers, parts, kind: str, n: int, k: int):
     """Each rank holds its slice: dequantized weight exact; FP8 codes and per-element scales."""
     scale_elem = None
-    if "weight_scale_inv" in qw.tensors:
-        s = qw.tensors["weight_scale_inv"]
+    if qw.tensors.get("weight", torch.empty(0)).dtype == torch.float8_e4m3fn:
+        s = qw.tensors.get("weight_scale_inv", qw.tensors.get("weight_scale"))
         scale_elem = s.repeat_interleave(B, 0)[:n].repeat_interleave(B, 1)[:, :k]  # [N, K]
     for rank, (layer, part) in enumerate(zip(layers, parts)):
         cut = (lambda t: t[part.slice]) if kind == COLUMN else (lambda t: t[:, part.slice])
-        if layer.method.name == "fp8_block":
+        if layer.method.name in ("fp8_block", "ct_fp8"):
             nl, kl = layer.weight.shape
-            local = layer.weight_scale_inv.cpu()
+            local = getattr(layer, "weight_scale_inv", None)
+            local = (local if local is not None else layer.weight_scale).cpu()
             assert tuple(local.shape) == fp8_block_shape(nl, kl)
             got = local.repeat_interleave(B, 0)[:nl].repeat_interleave(B, 1)[:, :kl]
             assert torch.equal(got, cut(scale_elem)), f"rank {rank}: FP8 block scales of the shard misplaced"
@@ -161,6 +162,17 @@ CASES = [
     ("gptq", 256, 320, ROW, (2,), 64, None),  # 160 channels a rank: groups of 32
     ("gptq_act_order", 256, 256, COLUMN, (2, 4), 64, None),  # g_idx kept whole
     ("gptq_act_order", 256, 256, ROW, (2,), 64, "dense"),  # a rank's channels reach every group
+    # compressed-tensors: INT4 packs of 8 along K (codes) and N (zero points), K re-grouped as AWQ;
+    # FP8 blocks as fp8's, W8A8 row splits off the 128 grid loaded dense (ActQuantDenseMethod)
+    ("ct_int4", 512, 512, COLUMN, (2, 4), 128, None),
+    ("ct_int4", 200, 256, COLUMN, (4,), 128, "dense"),  # 50 rows a rank: not whole zero-point packs
+    ("ct_int4", 256, 512, ROW, (2, 4), 128, None),
+    ("ct_int4", 256, 384, ROW, (4,), 128, None),  # 96 channels a rank: groups of 32
+    ("ct_fp8", 1024, 640, COLUMN, (2, 4), 128, None),
+    ("ct_fp8", 384, 256, COLUMN, (2,), 128, "dense"),
+    ("ct_fp8", 384, 1024, ROW, (2, 4), 128, None),
+    ("ct_fp8", 256, 256, ROW, (4,), 128, "fp8_block"),  # 64 channels a rank: fp8_block's RowShardFP8Method
+    ("ct_fp8", 256, 384, ROW, (4,), 128, "dense"),  # 96 channels a rank straddle blocks
 ]
 PARAMS = [pytest.param(fmt, n, k, kind, world, group, expect, id=f"{fmt}-{n}x{k}-{kind}-tp{world}")
           for fmt, n, k, kind, worlds, group, expect in CASES for world in worlds]

@@ -17,17 +17,16 @@ Layouts (design.md "Artifact formats"), group G, FP8 block B = 128:
              slice inside a single block, e.g. 64 of a 128-row block), the scale rows / columns
              indexed accordingly. W8A8 activations are quantized per token per B input channels:
              a K split off those groups quantizes over the global groups (RowShardFP8Method).
-Any other split (act-order GPTQ along K, compressed-tensors, misaligned packs) loads the layer
-dense: the slice of its dequantized weight, exact but uncompressed (logged).
+  ct_int4, ct_fp8  compressed-tensors: linear_ct.py.
+Any other split (act-order GPTQ along K, misaligned packs) loads the layer dense: the slice of its
+dequantized weight, exact but uncompressed (logged).
 The shard is described as rules: checkpoint key -> function giving this rank's tensor, read by
 model.ShardedReader when the loader asks for the key.
 """
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import torch
 
@@ -35,69 +34,13 @@ from dsquant.formats import fp8_block
 from dsquant.models.checkpoint import layer_of
 from dsquant.runtime.layers.linear import QuantLinear
 from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod, LinearMethod
+from dsquant.runtime.parallel.linear_ct import ct_fp8_shard, ct_int4_shard
+# COLUMN, ROW, Part and Rule are also this module's names for model.py and the tests
+from dsquant.runtime.parallel.shard_parts import (COLUMN, ROW, LinearShard, Part, Rule,  # noqa: F401
+                                                  block_index, cut, regroup)
 from dsquant.runtime.parallel.state import all_reduce_max
 
 log = logging.getLogger(__name__)
-
-Rule = Callable[[], torch.Tensor]
-COLUMN, ROW = "column", "row"
-INT4_GRANULE = 32  # smallest group the W4A16 kernel takes
-
-
-@dataclass(frozen=True)
-class Part:
-    """This rank's range [start, stop) of one dimension."""
-
-    start: int
-    stop: int
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def slice(self) -> slice:
-        return slice(self.start, self.stop)
-
-    @staticmethod
-    def of(total: int, rank: int, world: int) -> "Part":
-        """Even split, the last rank short when world does not divide total."""
-        per = -(-total // world)
-        start = min(total, rank * per)
-        return Part(start, min(total, start + per))
-
-
-@dataclass
-class LinearShard:
-    method: object  # the LinearMethod of the local layer
-    rules: dict[str, Rule]  # checkpoint key -> this rank's tensor
-
-
-def _cut(t: torch.Tensor, dim: int, index) -> torch.Tensor:
-    """Rows (dim 0) or columns (dim 1) of t by slice or index list; contiguous."""
-    if isinstance(index, list):
-        return t.index_select(dim, torch.tensor(index, dtype=torch.long)).contiguous()
-    return (t[index] if dim == 0 else t[:, index]).contiguous()
-
-
-def _regroup(group: int, part: Part) -> tuple[int, list[int]] | None:
-    """Local group size G' and, per local group, the checkpoint group it lies in (None: cannot)."""
-    g2 = math.gcd(group, part.start, part.size)
-    if g2 % INT4_GRANULE:
-        return None
-    return g2, [(part.start + j) // group for j in range(0, part.size, g2)]
-
-
-def _block_index(part: Part, block: int) -> list[int] | None:
-    """Per local B-block, the checkpoint block it lies in (None if one straddles two)."""
-    index = []
-    for j in range(0, part.size, block):
-        first, last = part.start + j, min(part.start + j + block, part.stop) - 1
-        if first // block != last // block:
-            return None
-        index.append(first // block)
-    return index
-
 
 def _awq(method: AWQMethod, p: str, kind: str, part: Part, get) -> LinearShard | None:
     keys = {a: f"{p}.{a}" for a in ("qweight", "qzeros", "scales")}
@@ -106,17 +49,17 @@ def _awq(method: AWQMethod, p: str, kind: str, part: Part, get) -> LinearShard |
             return None
         packed = slice(part.start // 8, part.stop // 8)
         return LinearShard(replace(method), {
-            keys["qweight"]: lambda: _cut(get(keys["qweight"]), 1, packed),
-            keys["qzeros"]: lambda: _cut(get(keys["qzeros"]), 1, packed),
-            keys["scales"]: lambda: _cut(get(keys["scales"]), 1, part.slice)})
-    regrouped = _regroup(method.group_size, part)
+            keys["qweight"]: lambda: cut(get(keys["qweight"]), 1, packed),
+            keys["qzeros"]: lambda: cut(get(keys["qzeros"]), 1, packed),
+            keys["scales"]: lambda: cut(get(keys["scales"]), 1, part.slice)})
+    regrouped = regroup(method.group_size, part)
     if regrouped is None:
         return None
     g2, groups = regrouped
     return LinearShard(replace(method, group_size=g2), {
-        keys["qweight"]: lambda: _cut(get(keys["qweight"]), 0, part.slice),
-        keys["qzeros"]: lambda: _cut(get(keys["qzeros"]), 0, groups),
-        keys["scales"]: lambda: _cut(get(keys["scales"]), 0, groups)})
+        keys["qweight"]: lambda: cut(get(keys["qweight"]), 0, part.slice),
+        keys["qzeros"]: lambda: cut(get(keys["qzeros"]), 0, groups),
+        keys["scales"]: lambda: cut(get(keys["scales"]), 0, groups)})
 
 
 def _gptq(method: GPTQMethod, p: str, kind: str, part: Part, get, k: int) -> LinearShard | None:
@@ -126,23 +69,23 @@ def _gptq(method: GPTQMethod, p: str, kind: str, part: Part, get, k: int) -> Lin
             return None
         packed = slice(part.start // 8, part.stop // 8)
         return LinearShard(replace(method), {
-            keys["qweight"]: lambda: _cut(get(keys["qweight"]), 1, part.slice),
-            keys["qzeros"]: lambda: _cut(get(keys["qzeros"]), 1, packed),
-            keys["scales"]: lambda: _cut(get(keys["scales"]), 1, part.slice),
+            keys["qweight"]: lambda: cut(get(keys["qweight"]), 1, part.slice),
+            keys["qzeros"]: lambda: cut(get(keys["qzeros"]), 1, packed),
+            keys["scales"]: lambda: cut(get(keys["scales"]), 1, part.slice),
             keys["g_idx"]: lambda: get(keys["g_idx"])})
     group = method.group_size if method.group_size > 0 else k
     plain = torch.arange(k, dtype=torch.int64) // group
     if part.start % 8 or part.size % 8 or not torch.equal(get(keys["g_idx"]).to(torch.int64), plain):
         return None  # act-order: a rank's channels reach groups all over K
-    regrouped = _regroup(group, part)
+    regrouped = regroup(group, part)
     if regrouped is None:
         return None
     g2, groups = regrouped
     local_g_idx = (torch.arange(part.size) // g2).to(torch.int32)
     return LinearShard(replace(method, group_size=g2), {
-        keys["qweight"]: lambda: _cut(get(keys["qweight"]), 0, slice(part.start // 8, part.stop // 8)),
-        keys["qzeros"]: lambda: _cut(get(keys["qzeros"]), 0, groups),
-        keys["scales"]: lambda: _cut(get(keys["scales"]), 0, groups),
+        keys["qweight"]: lambda: cut(get(keys["qweight"]), 0, slice(part.start // 8, part.stop // 8)),
+        keys["qzeros"]: lambda: cut(get(keys["qzeros"]), 0, groups),
+        keys["scales"]: lambda: cut(get(keys["scales"]), 0, groups),
         keys["g_idx"]: lambda: local_g_idx})
 
 
@@ -188,17 +131,20 @@ def sharded_activation_roundtrip(x: torch.Tensor, k_start: int, k_total: int, st
     return (q.to(torch.float32) * scale).to(x.dtype).reshape(x.shape)
 
 
-def _fp8(method: FP8BlockMethod, p: str, kind: str, part: Part, get, sharded_acts: bool) -> LinearShard | None:
-    blocks = _block_index(part, method.block)
+def _fp8(method: FP8BlockMethod, p: str, kind: str, part: Part, get, sharded_acts: bool,
+         scale_key: str = "weight_scale_inv") -> LinearShard | None:
+    """scale_key: the checkpoint's name of the block scales (compressed-tensors: weight_scale), read
+    under the fp8_block method's weight_scale_inv."""
+    blocks = block_index(part, method.block)
     if blocks is None:
         return None
     dim = 0 if kind == COLUMN else 1
-    w, s = f"{p}.weight", f"{p}.weight_scale_inv"
+    w, s, src = f"{p}.weight", f"{p}.weight_scale_inv", f"{p}.{scale_key}"
     if sharded_acts:
         local = RowShardFP8Method(block=method.block, k_start=part.start, k_total=0)  # k_total, state: below
     else:
         local = FP8BlockMethod(block=method.block, dynamic_activations=method.dynamic_activations)
-    return LinearShard(local, {w: lambda: _cut(get(w), dim, part.slice), s: lambda: _cut(get(s), dim, blocks)})
+    return LinearShard(local, {w: lambda: cut(get(w), dim, part.slice), s: lambda: cut(get(src), dim, blocks)})
 
 
 @dataclass
@@ -222,7 +168,7 @@ class ActQuantDenseMethod(DenseMethod):
 
 def _dense(p: str, kind: str, part: Part, dense_weight) -> LinearShard:
     dim = 0 if kind == COLUMN else 1
-    return LinearShard(DenseMethod(), {f"{p}.weight": lambda: _cut(dense_weight(f"{p}.weight"), dim, part.slice)})
+    return LinearShard(DenseMethod(), {f"{p}.weight": lambda: cut(dense_weight(f"{p}.weight"), dim, part.slice)})
 
 
 def _whole_groups(part: Part, total: int, group: int = fp8_block.FP8_BLOCK) -> bool:
@@ -253,6 +199,13 @@ def shard_linear(layer: QuantLinear, kind: str, parts: list[Part], state, reader
             return _gptq(m, p, kind, q, reader.get, k)
         if m.name == "fp8_block":
             return _fp8(m, p, kind, q, reader.get, sharded_acts)
+        if m.name == "ct_int4":
+            return ct_int4_shard(m, p, kind, q, reader.get, n, k)
+        if m.name == "ct_fp8" and sharded_acts:  # the global-group activation quant of fp8_block's row shard
+            return _fp8(FP8BlockMethod(block=m.block), p, kind, q, reader.get, True,
+                        "weight_scale") if m.strategy == "block" else None
+        if m.name == "ct_fp8":
+            return ct_fp8_shard(m, p, kind, q, reader.get)
         return None
 
     shards = [plan(q) for q in parts]
