@@ -54,7 +54,8 @@ def _latency(row) -> dict:
     lat = row.latency or {}
     return {"tpot_us": lat.get("tpot_s", float("nan")) * 1e6,
             "throughput_tok_s": {int(b): v for b, v in (lat.get("throughput_tok_s") or {}).items()},
-            "decode_split": {int(b): v for b, v in (lat.get("decode_split") or {}).items()}}
+            "decode_split": {int(b): v for b, v in (lat.get("decode_split") or {}).items()},
+            "kernel_fallbacks": list(lat.get("kernel_fallbacks") or [])}
 
 
 def _eval(row, base) -> dict:

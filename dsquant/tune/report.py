@@ -218,6 +218,8 @@ def _markdown(ctx, payload) -> str:
         lines += [""] + [f"- {k}" for k in kept] + [
             f"- artifact {proof['artifact']} ({proof['format']}); validate report {proof['validate_report']}",
             "- measured latency: dsquant's engine (validate), same LatencySpec as the fixed-work timing"]
+        lines += [f"- runtime fallback (slower than the table priced): {f}"
+                  for f in proof["latency"].get("kernel_fallbacks", [])]
         lines += _compared_lines(payload, bs)
     cands = ctx["sens"].candidates
     lines += ["", "## Sensitivity (each candidate alone, held-out calibration tokens)", "",

@@ -20,11 +20,12 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
+from dsquant.runtime.fallbacks import kernel_fallbacks
 from dsquant.runtime.engine.sequence import SamplingParams
 from dsquant.runtime.engine.step_times import StepTimes
 from dsquant.runtime.engine.timing import TimedRun, timed_generate
@@ -64,6 +65,7 @@ class LatencyResult:
     # split_steps: batch -> medians over its decode steps of wall, host (wall minus the wait for the
     # sampled tokens) and GPU (forward + sampling, CUDA events) time in us (runtime/engine/step_times.py)
     decode_split: dict[int, dict[str, float]] = field(default_factory=dict)
+    kernel_fallbacks: list[str] = field(default_factory=list)  # runtime/fallbacks.py, of the timed engine
 
 
 def merge_rounds(results: list[LatencyResult]) -> LatencyResult:
@@ -78,7 +80,8 @@ def merge_rounds(results: list[LatencyResult]) -> LatencyResult:
         parts = [r.decode_split[b] for r in results if b in r.decode_split]
         split[b] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     return LatencyResult(first.device, first.spec, statistics.median(ttfts), statistics.median(tpots),
-                         {b: statistics.median(v) for b, v in runs.items()}, ttfts, tpots, runs, split)
+                         {b: statistics.median(v) for b, v in runs.items()}, ttfts, tpots, runs, split,
+                         first.kernel_fallbacks)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -104,6 +107,7 @@ def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtyp
                                           kv_cache_dtype=kv_cache_dtype, num_scheduler_steps=spec.num_scheduler_steps,
                                           tensor_parallel_size=tensor_parallel_size))
     engine.time_steps(step_times)
+    fallbacks = kernel_fallbacks(engine.model) if isinstance(engine.model, torch.nn.Module) else []
     vocab = engine.model.config.vocab_size
     _run(engine, _prompts(1, spec.ttft_input, vocab, 99), 1)  # warm-up: compile, graphs, allocator
     _run(engine, _prompts(1, 8, vocab, 98), spec.tpot_output)
@@ -114,7 +118,7 @@ def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtyp
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _timed(engine, spec, vocab, device)
+        return replace(_timed(engine, spec, vocab, device), kernel_fallbacks=fallbacks)
     finally:
         if was_enabled:
             gc.enable()

@@ -163,6 +163,7 @@ def run_validate(args: ValidateArgs, log=print) -> tuple[list[ArtifactRow], dict
                                                         tensor_parallel_size=tp))
         for row in timed:
             row.latency = asdict(merge_rounds(results[id(row)]))
+            row.notes += [f"runtime fallback: {f}" for f in row.latency["kernel_fallbacks"]]
     if lm_spec is not None:
         _lm_eval_rows(rows, args, lm_spec, log)
     for row in rows[1:]:

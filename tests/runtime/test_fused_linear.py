@@ -87,3 +87,17 @@ def test_refuses_what_it_cannot_fuse():
     a, b = _linear("ct_fp8-block", 128, 1), _linear("ct_fp8-block", 128, 2)
     b.method.dynamic_activations = True  # W8A16 beside W8A8
     assert concat_linears(a, b, "x") is None
+
+
+def test_a_format_without_a_concatenation_rule_is_reported_as_a_runtime_fallback(monkeypatch):
+    """A refusal for want of a rule (a runtime gap) is a fallback; different formats (a recipe's choice) are not."""
+    from dsquant.runtime import fallbacks
+    from dsquant.runtime.layers import fused_linear
+
+    monkeypatch.delitem(fused_linear._CONCAT, "awq")
+    a, b = _linear("awq", 128, 1), _linear("awq", 128, 2)
+    assert concat_linears(a, b, "layer.fused") is None
+    c, d = _linear("dense", 128, 1), _linear("awq", 128, 2)
+    assert concat_linears(c, d, "layer.fused") is None
+    model = torch.nn.ModuleDict({"q_a_proj": a, "other": c})
+    assert fallbacks.kernel_fallbacks(model) == ["q_a_proj: not fused with kv_a_proj_with_mqa (no concatenation for awq)"]

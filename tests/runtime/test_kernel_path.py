@@ -7,6 +7,7 @@ import torch
 
 from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
+from dsquant.runtime.fallbacks import kernel_fallbacks
 
 from conftest import build_hf, random_prompts
 from test_quantized_checkpoints import write_pair
@@ -57,6 +58,11 @@ def test_fused_moe_over_quantized_experts(scheme, fmt, folded, wide_moe, tmp_pat
     mlp = eng[0].model.model.layers[1].mlp
     assert {w.w13.format for w in mlp.backend.weights.values()} == {fmt}
     assert mlp.backend.num_folded(mlp) == folded and mlp.backend.weights[mlp].num_experts == 8 + folded
+    fallbacks = kernel_fallbacks(eng[0].model)  # what validate and tune report beside the latency
+    if fmt == "bf16":
+        assert fallbacks and all("experts run dequantized (act-order" in f for f in fallbacks), fallbacks
+    else:
+        assert fallbacks == []
 
 
 @pytest.mark.gpu

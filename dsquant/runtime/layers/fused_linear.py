@@ -37,6 +37,9 @@ _CONCAT = {"dense": (("weight",), 0, 1), "fp8_block": (("weight", "weight_scale_
            "ct_fp8": (("weight", "weight_scale"), 0, 128)}
 
 
+UNSUPPORTED = "no concatenation for"  # the refusal that is a gap of the runtime, not a choice of the recipe
+
+
 def _multiple(method) -> int:
     """The multiple the first linear's N must be of for the concatenation to keep the layout."""
     if method.name == "ct_fp8" and method.strategy == "channel":
@@ -59,8 +62,10 @@ def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> Quan
     pair cannot be fused (the reason is logged). Takes the two modules' checkpoint tensors."""
     fmt = first.method.name
     why = None
-    if fmt != second.method.name or fmt not in _CONCAT:
+    if fmt != second.method.name:
         why = f"formats {fmt} / {second.method.name}"
+    elif fmt not in _CONCAT:
+        why = f"{UNSUPPORTED} {fmt}"
     elif not _same_method(first.method, second.method):
         why = f"{fmt} settings differ"
     elif fmt == "ct_fp8" and first.method.strategy == "tensor":
@@ -73,13 +78,14 @@ def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> Quan
         why = f"{first.prefix} has {first.out_features} outputs, not a multiple of {_multiple(first.method)}"
     elif fmt == "gptq" and not torch.equal(first.g_idx, second.g_idx):
         why = "g_idx differ"
-    names, dim, _ = _CONCAT[fmt]
+    names, dim, _ = _CONCAT.get(fmt, ((), 0, 1))
     if fmt == "ct_int4" and first.method.symmetric:
         names = names[:2]  # symmetric: no zero points
     if why is None and any(m._parameters.get(t) is None for m in (first, second) for t in names):
         why = "tensors already repacked"
     if why is not None:
         log.debug("%s: not fused (%s)", prefix, why)
+        first.fusion_refused = why  # read by runtime/fallbacks.py
         return None
     fused = QuantLinear(copy.copy(first.method), prefix, first.in_features,
                         first.out_features + second.out_features, bias=False)

@@ -117,6 +117,7 @@ class FusedMoE:
     def __init__(self):
         self.weights: dict = {}  # MoE module -> MoeWeights
         self.folded: dict = {}  # MoE module -> shared experts stacked after its routed ones
+        self.fallbacks: dict = {}  # MoE module -> why its quantized experts run dequantized (runtime/fallbacks.py)
 
     def runs_shared_experts(self, module) -> bool:
         """Whether module's shared experts run inside its grouped experts (MoE.forward skips them)."""
@@ -139,6 +140,7 @@ class FusedMoE:
         except ValueError as e:  # what the quantized grouped GEMMs do not take: run bf16 experts
             log.warning("layer %d: %s; running the experts dequantized (model dtype: more memory, slower)",
                         decoder_layer.layer_idx, e)
+            self.fallbacks[module] = str(e)
             shared = []
             weights = MoeWeights(*self._grouped(module, experts, dense=True))
         self.weights[module] = weights
