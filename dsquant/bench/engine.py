@@ -114,6 +114,7 @@ def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit, tp: in
     import torch
 
     from dsquant.bench.random_model import bytes_per_decode_token
+    from dsquant.runtime.fallbacks import kernel_fallbacks
 
     long_len = spec.long_context if scheme == spec.long_scheme else 0
     max_len = max(spec.input_len + max(spec.concurrent_output, spec.batch1_output, spec.serve_output) + 8,
@@ -123,7 +124,8 @@ def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit, tp: in
     row = {"scheme": scheme if tp == 1 else f"{scheme}-tp{tp}", "tensor_parallel_size": tp, "load_s": load_s,
            "linear_methods": engine.model.linear_methods,
            "kv_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
-           "kv_bytes_per_block": engine.runner.bytes_per_block(), "kv_cache_dtype": engine.runner.kv_spec.label}
+           "kv_bytes_per_block": engine.runner.bytes_per_block(), "kv_cache_dtype": engine.runner.kv_spec.label,
+           "kernel_fallbacks": kernel_fallbacks(engine.model) if isinstance(engine.model, torch.nn.Module) else []}
     if spec.device.startswith("cuda"):
         row["weights_gb"] = torch.cuda.memory_allocated() / 1e9
     roof = bytes_per_decode_token(reader, spec.input_len + spec.batch1_output // 2)
