@@ -125,7 +125,7 @@ def bench_scheme(scheme: str, spec: EngineBenchSpec, workdir: Path, emit, tp: in
            "linear_methods": engine.model.linear_methods,
            "kv_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
            "kv_bytes_per_block": engine.runner.bytes_per_block(), "kv_cache_dtype": engine.runner.kv_spec.label,
-           "kernel_fallbacks": kernel_fallbacks(engine.model) if isinstance(engine.model, torch.nn.Module) else []}
+           "kernel_fallbacks": kernel_fallbacks(engine.model)}
     if spec.device.startswith("cuda"):
         row["weights_gb"] = torch.cuda.memory_allocated() / 1e9
     roof = bytes_per_decode_token(reader, spec.input_len + spec.batch1_output // 2)

@@ -27,6 +27,12 @@ TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 
 
+def is_plain_g_idx(g_idx: torch.Tensor, groups: int) -> bool:
+    """Whether g_idx [K] puts the channels in `groups` contiguous runs of K / groups (no act-order)."""
+    k = g_idx.numel()
+    return torch.equal(g_idx.to(torch.long), torch.arange(k, device=g_idx.device) // (k // groups))
+
+
 def expected_shapes(group: int, n: int, k: int) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape for a Linear of out_features N, in_features K, group size G (> 0)."""
     ng = k // group

@@ -12,8 +12,11 @@ from torch import nn
 from dsquant.runtime.layers.fused_linear import UNSUPPORTED
 
 
-def kernel_fallbacks(model: nn.Module) -> list[str]:
-    """One line per fallback of `model` (the runtime's loaded model), module names first."""
+def kernel_fallbacks(model) -> list[str]:
+    """One line per fallback of `model` (the runtime's loaded model), module names first; [] for an
+    engine whose model lives in worker processes (tensor parallelism)."""
+    if not isinstance(model, nn.Module):
+        return []
     out = []
     for name, module in model.named_modules():
         backend = getattr(module, "backend", None)

@@ -107,7 +107,7 @@ def measure_latency(path: str, device: str, spec: LatencySpec, dtype: torch.dtyp
                                           kv_cache_dtype=kv_cache_dtype, num_scheduler_steps=spec.num_scheduler_steps,
                                           tensor_parallel_size=tensor_parallel_size))
     engine.time_steps(step_times)
-    fallbacks = kernel_fallbacks(engine.model) if isinstance(engine.model, torch.nn.Module) else []
+    fallbacks = kernel_fallbacks(engine.model)
     vocab = engine.model.config.vocab_size
     _run(engine, _prompts(1, spec.ttft_input, vocab, 99), 1)  # warm-up: compile, graphs, allocator
     _run(engine, _prompts(1, 8, vocab, 98), spec.tpot_output)

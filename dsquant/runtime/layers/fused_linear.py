@@ -20,13 +20,13 @@ biases, or mismatched methods keep the two linears.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 
 import torch
 
 from dsquant.runtime.layers.fused import TritonMLAttention
 from dsquant.runtime.layers.linear import QuantLinear
+from dsquant.runtime.layers.quant import method_settings
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +47,6 @@ def _multiple(method) -> int:
     return _CONCAT[method.name][2]
 
 
-def _same_method(a, b) -> bool:
-    """Same format with the same settings (a dataclass method's fields; `source` only names a file)."""
-    if type(a) is not type(b):
-        return False
-    if not dataclasses.is_dataclass(a):
-        return True
-    fields = [f.name for f in dataclasses.fields(a) if f.name != "source"]
-    return all(getattr(a, f) == getattr(b, f) for f in fields)
-
-
 def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> QuantLinear | None:
     """A QuantLinear computing [first(x), second(x)] (loaded, not yet processed), or None when the
     pair cannot be fused (the reason is logged). Takes the two modules' checkpoint tensors."""
@@ -66,7 +56,7 @@ def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> Quan
         why = f"formats {fmt} / {second.method.name}"
     elif fmt not in _CONCAT:
         why = f"{UNSUPPORTED} {fmt}"
-    elif not _same_method(first.method, second.method):
+    elif method_settings(first.method) != method_settings(second.method):
         why = f"{fmt} settings differ"
     elif fmt == "ct_fp8" and first.method.strategy == "tensor":
         why = "per-tensor FP8 scales"

@@ -27,7 +27,9 @@ from types import SimpleNamespace
 
 import torch
 
+from dsquant.formats.gptq import is_plain_g_idx
 from dsquant.models.moe import LoopMoE, MoE
+from dsquant.runtime.layers.quant import method_settings
 
 __all__ = ["FusedMoE", "LoopMoE"]
 log = logging.getLogger(__name__)
@@ -44,10 +46,6 @@ AXES = {"weight": (0, 1), "weight_scale_inv": (0, 1), "qweight": (1, 0), "qzeros
 DERIVED = ("weight_shape", "g_idx")
 
 
-def _method_key(linear):
-    return type(linear.method), sorted(vars(linear.method).items())
-
-
 def _shared_as_experts(module, routed) -> list:
     """module.shared_experts (intermediate n*I) as n stand-ins shaped like one routed expert (the
     same tensors, sliced: gate/up along out-features, down along in-features), or [] when they
@@ -57,7 +55,7 @@ def _shared_as_experts(module, routed) -> list:
         return []
     projs = ("gate_proj", "up_proj", "down_proj")
     linears = [getattr(m, p) for m in (routed[0], shared) for p in projs]
-    if len({repr(_method_key(p)) for p in linears}) != 1 or linears[0].method.name not in FOLDABLE:
+    if len({method_settings(p.method) for p in linears}) != 1 or linears[0].method.name not in FOLDABLE:
         return []
     parts = [{p: {} for p in projs} for _ in range(n)]
     for p in projs:
@@ -65,10 +63,8 @@ def _shared_as_experts(module, routed) -> list:
         for attr, t in getattr(shared, p)._parameters.items():
             if t is None:
                 continue
-            if attr == "g_idx":
-                g = t.to(torch.long)
-                if not torch.equal(g, torch.arange(len(g), device=g.device) // (len(g) // (int(g.max()) + 1))):
-                    return []  # act-order: its groups are not runs of K, which the cut and the kernel need
+            if attr == "g_idx" and not is_plain_g_idx(t, getattr(shared, p).scales.shape[0]):
+                return []  # act-order: its groups are not runs of K, which the cut and the kernel need
             if attr in DERIVED:
                 continue
             if attr not in AXES or getattr(ref, attr, None) is None:
@@ -158,7 +154,7 @@ class FusedMoE:
         method = experts[0].gate_proj.method
         name = "dense" if dense else method.name
         if name in INT4 + FP8:
-            keys = {repr(_method_key(getattr(e, p))) for e in experts for p in ("gate_proj", "up_proj", "down_proj")}
+            keys = {method_settings(getattr(e, p).method) for e in experts for p in ("gate_proj", "up_proj", "down_proj")}
             if len(keys) != 1:
                 raise ValueError(f"the experts' {name} settings differ")
         if name in INT4:

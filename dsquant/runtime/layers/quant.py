@@ -13,6 +13,7 @@ Compressed-tensors methods live in compressed_tensors.py.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,15 @@ from dsquant.formats import awq_gemm, fp8_block, gptq
 
 def _meta(shape, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+def method_settings(method) -> tuple:
+    """What makes two methods interchangeable: the class and its compared dataclass fields (`source`
+    only names the config file). Linears fuse, and experts stack, only when these are equal."""
+    if not dataclasses.is_dataclass(method):
+        return (type(method),)
+    return (type(method),) + tuple((f.name, getattr(method, f.name)) for f in dataclasses.fields(method)
+                                   if f.compare and f.name != "source")
 
 
 class LinearMethod:
@@ -147,10 +157,8 @@ class GPTQMethod(LinearMethod):
     def int4_codes(self, layer):
         """-> (codes [N, K] 0..15, zero points [K/G, N] (v1: 1..16), scales [K/G, N] as stored); a
         ValueError for act-order g_idx (its groups are not contiguous runs of K)."""
-        k, groups = layer.qweight.shape[0] * 8, layer.scales.shape[0]
         g_idx = getattr(layer, "g_idx", None)
-        if g_idx is not None and not torch.equal(g_idx.to(torch.long),
-                                                 torch.arange(k, device=g_idx.device) // (k // groups)):
+        if g_idx is not None and not gptq.is_plain_g_idx(g_idx, layer.scales.shape[0]):
             raise ValueError("act-order g_idx: the groups are not contiguous runs of the input channels")
         return (gptq.unpack_gptq_qweight(layer.qweight).t(), gptq.unpack_gptq_qzeros(layer.qzeros, self.v2),
                 layer.scales)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dsquant.formats import fp8_block
+from dsquant.formats.gptq import is_plain_g_idx
 from dsquant.models.checkpoint import layer_of
 from dsquant.runtime.layers.linear import QuantLinear
 from dsquant.runtime.layers.quant import AWQMethod, DenseMethod, FP8BlockMethod, GPTQMethod, LinearMethod
@@ -74,8 +75,7 @@ def _gptq(method: GPTQMethod, p: str, kind: str, part: Part, get, k: int) -> Lin
             keys["scales"]: lambda: cut(get(keys["scales"]), 1, part.slice),
             keys["g_idx"]: lambda: get(keys["g_idx"])})
     group = method.group_size if method.group_size > 0 else k
-    plain = torch.arange(k, dtype=torch.int64) // group
-    if part.start % 8 or part.size % 8 or not torch.equal(get(keys["g_idx"]).to(torch.int64), plain):
+    if part.start % 8 or part.size % 8 or not is_plain_g_idx(get(keys["g_idx"]), k // group):
         return None  # act-order: a rank's channels reach groups all over K
     regrouped = regroup(group, part)
     if regrouped is None:
