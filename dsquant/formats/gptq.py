@@ -33,6 +33,22 @@ def is_plain_g_idx(g_idx: torch.Tensor, groups: int) -> bool:
     return torch.equal(g_idx.to(torch.long), torch.arange(k, device=g_idx.device) // (k // groups))
 
 
+def act_order_perm(g_idx: torch.Tensor, groups: int) -> torch.Tensor | None:
+    """The channel order that makes an act-order g_idx [K] plain: perm [K] (int64) with
+    g_idx[perm] == arange(K) // G, so packed channel j holds input channel perm[j] and the kernels
+    gather x[:, perm]; None when g_idx is already plain. A ValueError when the groups do not each
+    hold exactly G = K / groups channels."""
+    k = g_idx.numel()
+    g = g_idx.to(torch.long)
+    plain = torch.arange(k, device=g.device) // (k // groups)
+    if torch.equal(g, plain):
+        return None
+    order = torch.argsort(g, stable=True)  # [K]
+    if not torch.equal(g[order], plain):
+        raise ValueError(f"g_idx must put exactly group_size={k // groups} input channels in each of {groups} groups")
+    return order
+
+
 def expected_shapes(group: int, n: int, k: int) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape for a Linear of out_features N, in_features K, group size G (> 0)."""
     ng = k // group

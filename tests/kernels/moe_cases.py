@@ -16,10 +16,11 @@ from dsquant.formats.fp8_block import quantize_fp8_block
 from dsquant.formats.int_grid import quantize_int_groupwise
 from dsquant.runtime.kernels.moe.fused_moe import MoeWeights, bf16_experts
 from dsquant.runtime.kernels.moe.fused_moe_fp8 import fp8_experts
-from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts_from_awq
+from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts, int4_experts_from_awq
 from tests.realistic_weights import FP8_TILE, max_block_rel_err, realistic_activations, realistic_weight
 
-FORMATS = ["bf16", "int4-g32", "int4-g64", "int4-g128", "fp8"]
+# "int4ao-gG": act-order GPTQ experts (each expert's groups are a random permutation of its input channels)
+FORMATS = ["bf16", "int4-g32", "int4-g64", "int4-g128", "int4ao-g64", "fp8"]
 INT4_TILE_ROWS = 16  # rows per random factor of an INT4 weight: group scales vary along N too
 BF16_TILE = (16, 64)
 
@@ -57,13 +58,22 @@ def int4_codes(w: torch.Tensor, group: int):
     return tuple(torch.stack([p[i] for p in per_expert]) for i in range(3))
 
 
-def _int4(w: torch.Tensor, group: int, dtype):
-    """w [E, N, K] -> (GroupedWeight("int4"), float64 [E, N, K] from the codes and stored scales)."""
+def _int4(w: torch.Tensor, group: int, dtype, act_order: bool = False):
+    """w [E, N, K] -> (GroupedWeight("int4"), float64 [E, N, K] from the codes and stored scales).
+    act_order: as GPTQ with desc_act, each expert's groups are runs of a random permutation perm of its
+    input channels (group of channel perm[j] is j // G), built through int4_experts with that perm."""
+    perm = None
+    if act_order:
+        gen = torch.Generator().manual_seed(w.shape[1] * 7 + w.shape[2])
+        perm = torch.stack([torch.randperm(w.shape[2], generator=gen) for _ in range(w.shape[0])]).to(w.device)
+        w = torch.gather(w, 2, perm[:, None, :].expand_as(w))  # column j: channel perm[j]
     q, s, z = int4_codes(w, group)
     s = s.to(dtype)  # the scales as stored (the activation dtype)
-    g = int4_experts_from_awq(*awq_stack(q, s, z, dtype), group)
     dense = (q.double() - z.double().repeat_interleave(group, -1)) * s.double().repeat_interleave(group, -1)
-    return g, dense
+    if perm is None:
+        return int4_experts_from_awq(*awq_stack(q, s, z, dtype), group), dense
+    g = int4_experts(q, z.transpose(1, 2), s.transpose(1, 2), group, perm=perm)
+    return g, torch.empty_like(dense).scatter_(2, perm[:, None, :].expand_as(dense), dense)
 
 
 def awq_stack(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, dtype):
@@ -91,7 +101,7 @@ def make_projection(fmt: str, w: torch.Tensor, dtype):
         g = bf16_experts(w.to(dtype))
         return g, g.weight.double()
     if fmt.startswith("int4"):
-        return _int4(w, group_of(fmt), dtype)
+        return _int4(w, group_of(fmt), dtype, act_order=fmt.startswith("int4ao"))
     return _fp8(w)
 
 

@@ -16,11 +16,12 @@ from dsquant.runtime.kernels.moe.int4_dequant import dequantize_int4_grouped
 from tests.kernels.moe_cases import make_experts, make_projection, draw_experts, random_topk, hidden_states
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128", "int4ao-g64"])
 @pytest.mark.parametrize("rows", [64, 16])
-def test_dequantize_matches_torch(group, rows, device):
-    w = draw_experts(f"int4-g{group}", 3, 80, 256, device, seed=group)  # N = 80: a partial 64-row block
-    g, dense = make_projection(f"int4-g{group}", w, torch.float16)
+def test_dequantize_matches_torch(fmt, rows, device):
+    """int4ao (act-order): the columns come out in the input channels' order."""
+    w = draw_experts(fmt, 3, 80, 256, device, seed=rows + len(fmt))  # N = 80: a partial 64-row block
+    g, dense = make_projection(fmt, w, torch.float16)
     out = dequantize_int4_grouped(g, torch.float16, rows_per_program=rows)
     assert out.format == "bf16" and out.weight.shape == (3, 80, 256) and out.weight.dtype == torch.float16
     want = dequantize_int4_experts(g).to(torch.float16)
@@ -34,8 +35,9 @@ def test_refuses_other_formats(device):
         dequantize_int4_grouped(g, torch.float16)
 
 
+@pytest.mark.parametrize("fmt", ["int4-g64", "int4ao-g64"])
 @pytest.mark.parametrize("threshold,dequantized", [(1, True), (10 ** 6, False)])
-def test_fused_moe_prefill_path(threshold, dequantized, monkeypatch, device):
+def test_fused_moe_prefill_path(fmt, threshold, dequantized, monkeypatch, device):
     from dsquant.runtime.kernels.moe.reference_moe import moe_experts_reference
     from tests.kernels.moe_cases import check_close
 
@@ -44,7 +46,7 @@ def test_fused_moe_prefill_path(threshold, dequantized, monkeypatch, device):
     monkeypatch.setattr(fm, "DEQUANT_MIN_PAIRS_PER_EXPERT", threshold)
     monkeypatch.setattr(fm, "dequantize_int4_grouped", lambda w, dtype: calls.append(w) or real(w, dtype))
     t, e, k = 40, 8, 2
-    weights, d13, d2 = make_experts("int4-g64", e, 128, 128, torch.float16, device, seed=5)
+    weights, d13, d2 = make_experts(fmt, e, 128, 128, torch.float16, device, seed=5)
     hidden = hidden_states(t, 128, torch.float16, device, seed=5)
     if device == "cuda":  # fp16 scales (as AWQ stores them) beside bf16 activations; bf16 is wrong under the interpreter
         hidden = hidden.to(torch.bfloat16)

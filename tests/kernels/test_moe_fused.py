@@ -277,7 +277,7 @@ def test_fused_moe_names_mismatched_hidden(device):
                   *random_topk(2, 4, 2, device))
 
 
-GPU_FORMATS = ["bf16", "int4-g128", "int4-g64", "fp8"]
+GPU_FORMATS = ["bf16", "int4-g128", "int4-g64", "int4ao-g128", "fp8"]
 
 
 @pytest.mark.gpu

@@ -17,14 +17,15 @@ from tests.kernels.moe_cases import (V3_REDUCED, check_close, hidden_states, mak
                                      v2_lite_decode_case, v3_experts)
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128", "int4ao-g128"])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
-def test_pair_mma_matches_dense(group, gated, split_k, device):
+def test_pair_mma_matches_dense(fmt, gated, split_k, device):
     """K = 640 is 5 chunks (split 2: 3 + 2, split 3: 2 + 2 + 1); N = 48 leaves a partial 32-row block;
-    2 tokens x top-3 = 6 pairs; launched twice into poisoned outputs: same bits, counters zero."""
+    2 tokens x top-3 = 6 pairs; launched twice into poisoned outputs: same bits, counters zero.
+    int4ao: act-order experts, the activations gathered through each expert's channel order."""
     t, top_k, n = 2, 3, 48
-    g, dense, tw, ids, div, a = pair_case(f"int4-g{group}", 5, n, 640, t, top_k, gated, device, seed=split_k)
+    g, dense, tw, ids, div, a = pair_case(fmt, 5, n, 640, t, top_k, gated, device, seed=split_k)
     ref = pair_reference(a, dense, ids, div, gated, tw)
     outs = []
     for _ in range(2):

@@ -46,23 +46,20 @@ def test_kernels_match_torch_path(family, tiny_models):
 @CPU_ONLY
 @pytest.mark.parametrize("scheme,fmt,folded", [
     ("awq", "int4", 1), ("gptq-plain", "int4", 1), ("ct", "int4", 1), ("fp8", "fp8", 1), ("ct-fp8", "fp8", 1),
-    ("gptq", "bf16", 0)])
+    ("gptq", "int4", 1)])
 def test_fused_moe_over_quantized_experts(scheme, fmt, folded, wide_moe, tmp_path):
-    """Experts of every INT4 source (AWQ, GPTQ without act-order, compressed-tensors pack-quantized)
-    and W8A8 FP8 block source run on the quantized grouped GEMMs, and shared experts in the routed
-    experts' format are folded into them; act-order GPTQ experts run dequantized, so its shared
-    expert stays a separate MLP."""
+    """Experts of every INT4 source (AWQ, GPTQ with or without act-order, compressed-tensors
+    pack-quantized) and W8A8 FP8 block source run on the quantized grouped GEMMs, and shared experts
+    in the routed experts' format are folded into them; act-order GPTQ experts keep their channel
+    orders (GroupedWeight.perm), and so does a single act-order shared expert, folded uncut."""
     quant, _ = write_pair(wide_moe, tmp_path, scheme)
     eng = []
     assert tokens(quant, kernels=True, engine_out=eng) == tokens(quant, kernels=False)
     mlp = eng[0].model.model.layers[1].mlp
     assert {w.w13.format for w in mlp.backend.weights.values()} == {fmt}
     assert mlp.backend.num_folded(mlp) == folded and mlp.backend.weights[mlp].num_experts == 8 + folded
-    fallbacks = kernel_fallbacks(eng[0].model)  # what validate and tune report beside the latency
-    if fmt == "bf16":
-        assert fallbacks and all("experts run dequantized (act-order" in f for f in fallbacks), fallbacks
-    else:
-        assert fallbacks == []
+    assert (mlp.backend.weights[mlp].w13.perm is not None) == (scheme == "gptq")
+    assert kernel_fallbacks(eng[0].model) == []  # what validate and tune report beside the latency
 
 
 @pytest.mark.gpu
@@ -76,13 +73,15 @@ def test_cuda_engine_matches_cpu(family, tiny_models):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["awq", "gptq", "ct"])  # FP8: test_fp8_kernel_path.py
-def test_cuda_quantized_kernels_match_reference_dequant(scheme, tiny_models, tmp_path):
+@pytest.mark.parametrize("scheme,family", [("awq", "deepseek_v2"), ("gptq", "llama"), ("gptq", "deepseek_v2"),
+                                           ("ct", "deepseek_v2")])  # FP8: test_fp8_kernel_path.py
+def test_cuda_quantized_kernels_match_reference_dequant(scheme, family, tiny_models, tmp_path):
     """Issue 8: a quantized artifact's greedy tokens through the kernels equal the dequantized path.
+    gptq is act-order (the MoE experts gather their activations through each expert's channel order).
 
     The reference is the same artifact with kernels=False: every linear on dequantized weights in
     torch, which is also the dense checkpoint of the dequantized weights."""
-    _, src = tiny_models["deepseek_v2" if scheme != "gptq" else "llama"]
+    _, src = tiny_models[family]
     quant, dense = write_pair(src, tmp_path, scheme)
     ref = tokens(quant, kernels=False, device="cuda", dtype=torch.bfloat16)
     assert tokens(dense, kernels=False, device="cuda", dtype=torch.bfloat16) == ref
@@ -106,8 +105,8 @@ def test_fp8_experts_off_the_128_grid_run_dequantized(tmp_path):
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("scheme,tol", [(None, 1e-5), ("awq", 1e-4), ("gptq-plain", 1e-4), ("ct", 1e-4),
-                                        ("fp8", 3e-2), ("ct-fp8", 3e-2)])
+@pytest.mark.parametrize("scheme,tol", [(None, 1e-5), ("awq", 1e-4), ("gptq-plain", 1e-4), ("gptq", 1e-4),
+                                        ("ct", 1e-4), ("fp8", 3e-2), ("ct-fp8", 3e-2)])
 def test_folded_shared_experts_give_the_reference_moe_output(scheme, tol, wide_moe, tmp_path):
     """The MoE block with its shared expert folded into the grouped experts (kernel path) against
     the reference block (expert loop + dense shared MLP) on the same weights and fresh inputs."""

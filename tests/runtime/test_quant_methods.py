@@ -237,8 +237,8 @@ def test_int4_codes_rebuild_the_weight(fmt):
         if not symmetric:
             tensors["weight_zero_point"] = pack_to_int32((z - 8).to(torch.int8), 4, packed_dim=0)
     fill(layer, tensors)
-    cq, cz, cs = layer.method.int4_codes(layer)  # [N, K], [K/G, N], [K/G, N]
-    assert cq.shape == (N, K) and cz.shape == cs.shape == (K // G, N)
+    cq, cz, cs, perm = layer.method.int4_codes(layer)  # [N, K], [K/G, N], [K/G, N], None
+    assert cq.shape == (N, K) and cz.shape == cs.shape == (K // G, N) and perm is None
     w_ref = grouped_weight(q, z, s, torch.arange(K) // G)
     g = torch.arange(K) // G
     torch.testing.assert_close((cq - cz.t()[:, g]).float() * cs.float().t()[:, g], w_ref, rtol=0, atol=0)
@@ -246,12 +246,26 @@ def test_int4_codes_rebuild_the_weight(fmt):
     torch.testing.assert_close(dequantize_int4_experts(packed)[0], w_ref, rtol=0, atol=0)
 
 
-def test_act_order_gptq_has_no_contiguous_int4_codes():
+def test_act_order_gptq_int4_codes_come_sorted_by_group():
+    """Act-order g_idx: int4_codes gives the codes with their columns sorted by group and the order
+    (perm), and int4_experts built from them dequantizes back to the layer's own weight; groups of
+    uneven size are refused."""
+    from dsquant.runtime.kernels.moe.fused_moe_int4 import dequantize_int4_experts, int4_experts
+
     q, z, s = codes(4)
     g_idx = torch.empty(K, dtype=torch.int32)
     g_idx[torch.randperm(K, generator=torch.Generator().manual_seed(5))] = (torch.arange(K) // G).to(torch.int32)
     layer = QuantLinear(GPTQMethod(group_size=G), "m", K, N, False)
-    fill(layer, {"qweight": pack_gptq_qweight(q.t()), "qzeros": pack_gptq_qzeros(z.t()),
-                 "scales": s.t().contiguous().half(), "g_idx": g_idx})
-    with pytest.raises(ValueError, match="act-order"):
-        layer.method.int4_codes(layer)
+    tensors = {"qweight": pack_gptq_qweight(q.t()), "qzeros": pack_gptq_qzeros(z.t()),
+               "scales": s.t().contiguous().half(), "g_idx": g_idx}
+    fill(layer, tensors)
+    cq, cz, cs, perm = layer.method.int4_codes(layer)
+    assert perm is not None and torch.equal(g_idx[perm].long(), torch.arange(K) // G)
+    assert torch.equal(cq, q[:, perm].to(cq.dtype))
+    packed = int4_experts(cq[None].to(torch.uint8), cz[None], cs[None], G, perm=perm[None])
+    w_ref = layer.method.dequantized_weight(layer, torch.float32)  # [N, K] through g_idx
+    torch.testing.assert_close(dequantize_int4_experts(packed)[0], w_ref, rtol=0, atol=0)
+    uneven = QuantLinear(GPTQMethod(group_size=G), "m", K, N, False)
+    fill(uneven, {**tensors, "g_idx": torch.where(g_idx == 1, 0, g_idx)})
+    with pytest.raises(ValueError, match="exactly group_size"):
+        uneven.method.int4_codes(uneven)

@@ -3,6 +3,7 @@ dense checkpoint holding the weights they encode; a shard that disagrees with ds
 import hashlib
 import json
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -38,6 +39,8 @@ def encode(scheme: str, name: str, w: torch.Tensor, seed: int):
                 dequantize_awq(qw, qz, sc, G))
     if scheme.startswith("gptq"):  # act-order: groups follow a random visiting order of the input channels
         k = w.shape[1]  # gptq-plain: no act-order, g_idx the identity's groups
+        # gate_proj and up_proj share the order, as GPTQ's act-order gives them (one input, one Hessian)
+        seed = zlib.crc32(mod.replace("gate_proj", "up_proj").encode()) + w.shape[1]
         perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if scheme == "gptq" else torch.arange(k)
         inv = torch.argsort(perm)
         q, s, z = quantize_int_groupwise(w[:, perm], G)

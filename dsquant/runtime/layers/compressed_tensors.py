@@ -45,9 +45,9 @@ class CTPackedInt4Method(LinearMethod):
         return q[:, :k], z, s
 
     def int4_codes(self, layer):
-        """-> (codes [N, K] 0..15, zero points [K/G, N], scales [K/G, N] in the stored dtype)."""
+        """-> (codes [N, K] 0..15, zero points [K/G, N], scales [K/G, N] in the stored dtype, perm None)."""
         q, z, s = self._codes(layer)
-        return q, z.t(), s.t().to(layer.weight_scale.dtype)
+        return q, z.t(), s.t().to(layer.weight_scale.dtype), None
 
     def dequantized_weight(self, layer, dtype):
         q, z, s = self._codes(layer)

@@ -4,12 +4,13 @@ On CUDA, `FusedMoE.prepare(decoder_layer)` runs right after the layer's tensors 
 Linear repacks itself): the experts' per-module tensors are stacked into the fused kernel's
 grouped layout (fused_moe.py: w13 = gate rows then up rows [E, 2I, H], w2 [E, H, I]) and the
 per-expert tensors are dropped. Formats: bf16/fp16 experts as they are; INT4 experts of every
-source (AWQ gemm, GPTQ v1/v2 without act-order, compressed-tensors pack-quantized: each method's
-`int4_codes`) through int4_experts; W8A8 FP8 block experts (fp8_block, compressed-tensors block
-strategy: `fp8_block_tensors`) through fp8_experts. What the grouped GEMMs refuse (ValueError: act-order
-GPTQ, group sizes other than 32/64/128, off-grid shapes, FP8 channel/tensor scales or weight-only FP8,
-whose activations the FP8 grouped GEMM would quantize) is dequantized once to the model dtype and runs
-as bf16 experts, with the reason logged.
+source (AWQ gemm, GPTQ v1/v2, compressed-tensors pack-quantized: each method's `int4_codes`) through
+int4_experts, act-order GPTQ with each expert's channel order (GroupedWeight.perm, which the kernels
+gather the activations through); W8A8 FP8 block experts (fp8_block, compressed-tensors block
+strategy: `fp8_block_tensors`) through fp8_experts. What the grouped GEMMs refuse (ValueError: group
+sizes other than 32/64/128, off-grid shapes, gate and up with different act-order orders, FP8
+channel/tensor scales or weight-only FP8, whose activations the FP8 grouped GEMM would quantize) is
+dequantized once to the model dtype and runs as bf16 experts, with the reason logged.
 Shared experts are folded into the grouped experts when their linears have the routed experts'
 format and settings (FOLDABLE) and the module is not expert parallel
 (ExpertParallel renumbers this rank's routed experts and shards the shared MLP like a dense one):
@@ -64,7 +65,10 @@ def _shared_as_experts(module, routed) -> list:
             if t is None:
                 continue
             if attr == "g_idx" and not is_plain_g_idx(t, getattr(shared, p).scales.shape[0]):
-                return []  # act-order: its groups are not runs of K, which the cut and the kernel need
+                if n != 1:  # act-order: a cut along K would split its groups, which are not runs of K
+                    return []
+                parts[0][p][attr] = t  # one stand-in, uncut: it keeps its channel order (int4_codes)
+                continue
             if attr in DERIVED:
                 continue
             if attr not in AXES or getattr(ref, attr, None) is None:
@@ -82,17 +86,28 @@ def _shared_as_experts(module, routed) -> list:
 
 
 def _int4_grouped(experts, projs: tuple[str, ...]):
-    """GroupedWeight("int4") of each expert's `projs` (their rows concatenated), from the methods' codes."""
+    """GroupedWeight("int4") of each expert's `projs` (their rows concatenated), from the methods' codes;
+    act-order GPTQ experts keep their channel orders (perm [E, K]: the kernels gather the activations),
+    which the concatenated projections must share."""
     from dsquant.runtime.kernels.moe.fused_moe_int4 import int4_experts
 
-    codes, zeros, scales = [], [], []
+    codes, zeros, scales, perms = [], [], [], []
     for e in experts:
         parts = [getattr(e, p).method.int4_codes(getattr(e, p)) for p in projs]
-        codes.append(torch.cat([q for q, _, _ in parts], dim=0).to(torch.uint8))  # [N, K], 0..15
-        zeros.append(torch.cat([z for _, z, _ in parts], dim=1))  # [K/G, N]
-        scales.append(torch.cat([s for _, _, s in parts], dim=1))  # [K/G, N]
+        orders = [perm for *_, perm in parts]
+        if any(o is None for o in orders) != all(o is None for o in orders) or \
+                any(o is not None and not torch.equal(o, orders[0]) for o in orders):
+            raise ValueError(f"{' and '.join(projs)} of one expert have different act-order channel orders")
+        codes.append(torch.cat([q for q, *_ in parts], dim=0).to(torch.uint8))  # [N, K], 0..15
+        zeros.append(torch.cat([p[1] for p in parts], dim=1))  # [K/G, N]
+        scales.append(torch.cat([p[2] for p in parts], dim=1))  # [K/G, N]
+        perms.append(orders[0])  # [K] or None
     k, groups = codes[0].shape[1], zeros[0].shape[0]
-    return int4_experts(torch.stack(codes), torch.stack(zeros), torch.stack(scales), k // groups)
+    perm = None
+    if any(p is not None for p in perms):  # experts without act-order take the identity
+        plain = torch.arange(k, device=codes[0].device)
+        perm = torch.stack([plain if p is None else p for p in perms])  # [E, K]
+    return int4_experts(torch.stack(codes), torch.stack(zeros), torch.stack(scales), k // groups, perm=perm)
 
 
 def _fp8_grouped(experts, projs: tuple[str, ...]):

@@ -106,8 +106,8 @@ class AWQMethod(LinearMethod):
         return layer.qweight.shape[0] if self.group_size <= 0 else self.group_size
 
     def int4_codes(self, layer):
-        """-> (codes [N, K] 0..15, zero points [K/G, N], scales [K/G, N] as stored): W = (q - z) * s."""
-        return awq_gemm.unpack_awq(layer.qweight).t(), awq_gemm.unpack_awq(layer.qzeros), layer.scales
+        """-> (codes [N, K] 0..15, zero points [K/G, N], scales [K/G, N] as stored, perm None): W = (q - z) * s."""
+        return awq_gemm.unpack_awq(layer.qweight).t(), awq_gemm.unpack_awq(layer.qzeros), layer.scales, None
 
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.qweight):
@@ -155,13 +155,16 @@ class GPTQMethod(LinearMethod):
         return gptq.dequantize_gptq(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, dtype, v2=self.v2)
 
     def int4_codes(self, layer):
-        """-> (codes [N, K] 0..15, zero points [K/G, N] (v1: 1..16), scales [K/G, N] as stored); a
-        ValueError for act-order g_idx (its groups are not contiguous runs of K)."""
+        """-> (codes [N, K] 0..15, zero points [K/G, N] (v1: 1..16), scales [K/G, N] as stored, perm).
+        perm [K] int64 is None unless g_idx is act-order: then the codes' columns are in perm's order
+        (column j is input channel perm[j], groups contiguous runs of K) and x[:, perm] meets them;
+        a ValueError when its groups are uneven."""
+        q = gptq.unpack_gptq_qweight(layer.qweight).t()  # [N, K]
         g_idx = getattr(layer, "g_idx", None)
-        if g_idx is not None and not gptq.is_plain_g_idx(g_idx, layer.scales.shape[0]):
-            raise ValueError("act-order g_idx: the groups are not contiguous runs of the input channels")
-        return (gptq.unpack_gptq_qweight(layer.qweight).t(), gptq.unpack_gptq_qzeros(layer.qzeros, self.v2),
-                layer.scales)
+        perm = None if g_idx is None else gptq.act_order_perm(g_idx, layer.scales.shape[0])
+        if perm is not None:
+            q = q[:, perm]
+        return q, gptq.unpack_gptq_qzeros(layer.qzeros, self.v2), layer.scales, perm
 
     def process_weights_after_loading(self, layer):
         if not self.use_kernels(layer.qweight):

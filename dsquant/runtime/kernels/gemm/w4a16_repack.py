@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dsquant.formats.awq_gemm import unpack_awq
-from dsquant.formats.gptq import pack_gptq_qweight, unpack_gptq_qweight, unpack_gptq_qzeros
+from dsquant.formats.gptq import act_order_perm, pack_gptq_qweight, unpack_gptq_qweight, unpack_gptq_qzeros
 from dsquant.runtime.kernels.gemm.splitk import new_splitk_counters
 
 
@@ -145,12 +145,8 @@ def repack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     perm = None
     if g_idx is not None:
         _check(tuple(g_idx.shape) == (k,), f"g_idx has shape {tuple(g_idx.shape)}, expected ({k},)")
-        g = g_idx.to(torch.long)
-        plain = torch.arange(k, device=g.device) // group_size
-        if not torch.equal(g, plain):
-            order = torch.argsort(g, stable=True)  # [K]
-            _check(torch.equal(g[order], plain),
-                   f"g_idx must put exactly group_size={group_size} input channels in each of {ng} groups")
+        order = act_order_perm(g_idx, ng)  # [K] or None; a ValueError for uneven groups
+        if order is not None:
             perm = order.to(torch.int32).contiguous()
             q = q[order]
     return kernel_weights(q, z, scales, group_size, perm)

@@ -11,6 +11,9 @@ bf16x2 an MMA operand register holds, and nibble planes j and j + 4 together are
 channels (one K = 32 MMA step on a contiguous slice of the activations); zeros uint8 [E, K/G, N];
 scales [E, K/G, N] unchanged.
 Needs N % 16 == 0 and K % 128 == 0 (true of DeepSeek V2/V3 expert shapes).
+Act-order GPTQ experts (desc_act: each group a set of channels scattered over K) are stored with their
+columns sorted by group, so groups are contiguous runs again, and perm int32 [E, K] beside them: packed
+channel j of expert e is input channel perm[e, j], and every INT4 MoE kernel gathers a[:, perm[e]].
 """
 from __future__ import annotations
 
@@ -38,9 +41,11 @@ def int4_experts_from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
     return int4_experts(unpack_awq(qweight).transpose(1, 2), unpack_awq(qzeros), scales, group_size)
 
 
-def int4_experts(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> GroupedWeight:
+def int4_experts(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 perm: torch.Tensor | None = None) -> GroupedWeight:
     """Unsigned grid codes [E, N, K] (0..15), zero points [E, K/G, N] (0..16: GPTQ v1 reaches 16) and
-    scales [E, K/G, N] of E experts (W = (q - z) * s, from any INT4 source) -> GroupedWeight("int4")."""
+    scales [E, K/G, N] of E experts (W = (q - z) * s, from any INT4 source) -> GroupedWeight("int4").
+    perm [E, K] (act-order GPTQ): column j of expert e's codes is its input channel perm[e, j]."""
     if group_size not in GROUP_SIZES:
         raise ValueError(f"int4 experts support group_size in {GROUP_SIZES}, got {group_size}")
     if codes.dim() != 3:
@@ -52,17 +57,21 @@ def int4_experts(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"zeros have shape {tuple(zeros.shape)}, expected {(e, k // group_size, n)}")
     if tuple(scales.shape) != (e, k // group_size, n):
         raise ValueError(f"scales have shape {tuple(scales.shape)}, expected {(e, k // group_size, n)}")
+    plain = torch.arange(k, device=codes.device)
+    if perm is not None and (tuple(perm.shape) != (e, k) or not torch.equal(perm.sort(dim=1).values, plain.expand(e, k))):
+        raise ValueError(f"perm must hold a permutation of the {k} input channels for each of {e} experts, "
+                         f"got shape {tuple(perm.shape)}")
     packed = torch.empty(e, n // 16, k // 128, 16, 16, dtype=torch.int32, device=codes.device)
     for x in range(e):  # one expert's int32 planes at a time (codes may come as uint8)
         planes = codes[x].to(torch.int32).reshape(n // 16, 16, k // 128, 4, 16, 2)  # [chunk, r, tile, j%4, i, j//4]
         planes = planes.permute(5, 3, 0, 2, 1, 4).reshape(8, -1)  # [j, words]
         packed[x] = pack_gptq_qweight(planes).reshape(n // 16, k // 128, 16, 16)  # nibble j = plane j
     return GroupedWeight("int4", packed, scales.contiguous(), zeros.to(torch.uint8).contiguous(),
-                         group_size, n=n, k=k)
+                         group_size, n=n, k=k, perm=None if perm is None else perm.to(torch.int32).contiguous())
 
 
 def dequantize_int4_experts(w: GroupedWeight) -> torch.Tensor:
-    """GroupedWeight("int4") -> fp32 [E, N, K] (for references and checks)."""
+    """GroupedWeight("int4") -> fp32 [E, N, K] in the input channels' order (for references and checks)."""
     e, n, k = w.num_experts, w.n, w.k
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=w.weight.device)
     q = (w.weight.unsqueeze(-1) >> shifts) & 0xF  # [e, chunk, tile, r, i, j]
@@ -71,4 +80,7 @@ def dequantize_int4_experts(w: GroupedWeight) -> torch.Tensor:
     g = torch.arange(k, device=q.device) // w.group_size  # [K]
     z = w.zeros.to(torch.int32).transpose(1, 2)[:, :, g]  # [E, N, K]
     s = w.scales.float().transpose(1, 2)[:, :, g]
-    return (q - z).float() * s
+    dense = (q - z).float() * s  # [E, N, K], columns in the packed channel order
+    if w.perm is None:
+        return dense
+    return torch.empty_like(dense).scatter_(2, w.perm.long()[:, None, :].expand_as(dense), dense)

@@ -11,7 +11,8 @@ Layouts
   chunk c, tile t holds in nibble j the code of W[16c + r, 128t + 32 (j % 4) + 2i + j // 4] (the paired
   order of fused_moe_int4); scales [E, K/G, N] in the activation dtype; zeros uint8 [E, K/G, N].
 - out: [E, N, K] in the activation dtype, W[n, k] = (q - z[k // G, n]) * s[k // G, n], computed in fp32
-  and rounded once.
+  and rounded once; act-order experts (perm int32 [E, K]) store packed channel k at column perm[e, k],
+  so the output is in the input channels' order either way.
 Program (expert, block of ROWS rows, 128-column tile) reads the tile's words once and writes its
 nibble planes j and j + 4 together, 32 consecutive columns.
 """
@@ -25,8 +26,8 @@ from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight
 
 
 @triton.jit
-def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, num_tiles, stride_se, stride_sg, stride_oe,
-                         stride_on, GROUP: tl.constexpr, ROWS: tl.constexpr):
+def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, perm_ptr, N, K, num_tiles, stride_se, stride_sg, stride_oe,
+                         stride_on, stride_pe, GROUP: tl.constexpr, ROWS: tl.constexpr, HAS_PERM: tl.constexpr = False):
     e = tl.program_id(0)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # [ROWS] output rows n
     t = tl.program_id(2)  # 128-column tile
@@ -44,6 +45,8 @@ def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, num_tiles, stride_s
         q = tl.reshape(tl.join(q_even, q_odd), (ROWS, 32))  # column 2i + h: channel k0 + 2i + h
         w = (q - z[:, None]) * s[:, None]
         cols = k0 + tl.arange(0, 32)
+        if HAS_PERM:  # act-order: packed channel k is input channel perm[e, k]
+            cols = tl.load(perm_ptr + e * stride_pe + cols)
         tl.store(out_ptr + e * stride_oe + rows[:, None].to(tl.int64) * stride_on + cols[None, :],
                  w.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
@@ -58,7 +61,8 @@ def dequantize_int4_grouped(w: GroupedWeight, dtype: torch.dtype, rows_per_progr
         raise ValueError("dequantize_int4_grouped: scales and zeros must share strides [E, K/G, N]")
     out = torch.empty(e, n, k, dtype=dtype, device=w.weight.device)
     grid = (e, triton.cdiv(n, rows_per_program), k // 128)
-    _dequant_int4_kernel[grid](w.weight, w.scales, w.zeros, out, n, k, k // 128, w.scales.stride(0),
-                               w.scales.stride(1), out.stride(0), out.stride(1), GROUP=w.group_size,
-                               ROWS=rows_per_program, num_warps=4)
+    perm = w.perm if w.perm is not None else w.zeros  # a stub pointer without act-order
+    _dequant_int4_kernel[grid](w.weight, w.scales, w.zeros, out, perm, n, k, k // 128, w.scales.stride(0),
+                               w.scales.stride(1), out.stride(0), out.stride(1), perm.stride(0), GROUP=w.group_size,
+                               ROWS=rows_per_program, HAS_PERM=w.perm is not None, num_warps=4)
     return GroupedWeight("bf16", out, n=n, k=k)

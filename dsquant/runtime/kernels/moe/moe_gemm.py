@@ -15,6 +15,8 @@ Expert weight layouts (GroupedWeight.format), N output rows, K input columns, al
   word i of row r in chunk c, tile t holds, in nibble j, W[16c + r, 128t + 16j + i]), scales
   [E, K/G, N] in the activation dtype, zeros uint8 [E, K/G, N]; W[n, k] = (q - z) * s,
   dequantised in registers two nibble planes per instruction (moe_int4_loop.py); BLOCK_K = 128.
+  Act-order GPTQ experts add perm int32 [E, K]: packed channel k of expert e multiplies
+  a[row, perm[e, k]] (the activation slices are gathered through it).
 - "fp8": weight float8_e4m3fn [E, N, K], scale_inv fp32 [E, ceil(N/128), ceil(K/128)]; a is fp8
   [rows, K] with a_scale fp32 [rows, ceil(K/128)] (per token per 128 channels), or a bf16/fp16
   a (a_scale None, A_QUANT) that each program quantizes per [BLOCK_M, 128] tile with
@@ -54,6 +56,7 @@ class GroupedWeight:
     n: int = 0  # output rows per expert (2I for a stacked w13)
     k: int = 0  # input columns
     splitk_counters: torch.Tensor | None = None  # int32, zero: split-K counters of the per-pair GEMVs
+    perm: torch.Tensor | None = None  # "int4" under act-order: int32 [E, K], packed channel j meets a[:, perm[e, j]]
 
     @property
     def num_experts(self) -> int:
@@ -79,17 +82,19 @@ def _load_weight_tile(w_ptr, expert, offs_n, n_mask, k0, K, stride_we, stride_wn
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_ptr,
-                     sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
+                     sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, perm_ptr,
                      N, K, num_pairs, a_row_div,
                      stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_s1, stride_s2,
-                     stride_om,
+                     stride_om, stride_pe,
                      W_FORMAT: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr,
                      ROUTED: tl.constexpr, FP8_UPCAST: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PAIR_BLOCKS: tl.constexpr = False, A_QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+                     PAIR_BLOCKS: tl.constexpr = False, A_QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
+                     HAS_PERM: tl.constexpr = False):
     """Grid (blocks, cdiv(N, BLOCK_N)); layouts in the module docstring. PAIR_BLOCKS: block pid_m is
     pair pid_m (sorted_ids_ptr, num_post_pad_ptr unused); A_QUANT: fp8 weights, a bf16/fp16
-    quantized here per [BLOCK_M, 128] tile (a_scale_ptr unused)."""
+    quantized here per [BLOCK_M, 128] tile (a_scale_ptr unused); HAS_PERM: int4 act-order experts
+    (perm_ptr [E, K], row stride stride_pe)."""
     pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -110,7 +115,8 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
     if W_FORMAT == 1:  # transposed accumulators [BN, BM], see moe_int4_loop
         acc, acc_up = int4_mainloop(a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert, offs_n,
                                     n_mask, N, 0, K // 128, stride_we, stride_wn, stride_se, stride_s1, stride_s2,
-                                    GATED, GROUP, MAGIC, PAIRED, DTYPE, BLOCK_N, BLOCK_M)
+                                    perm_ptr, stride_pe, GATED, GROUP, MAGIC, PAIRED, DTYPE, BLOCK_N, BLOCK_M,
+                                    HAS_PERM)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -184,10 +190,12 @@ def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.
     pair_blocks = align.one_block_per_pair
     sorted_ids = align.expert_ids if pair_blocks else align.sorted_token_ids  # a stub pointer for pair blocks
     num_post = align.expert_ids if pair_blocks else align.num_tokens_post_padded
+    perm = w.perm if w.perm is not None else align.expert_ids  # a stub pointer without act-order
     _moe_gemm_kernel[grid](
         a, a_s, w.weight, s, z, out, tw, sorted_ids, align.expert_ids,
-        num_post, n_out, w.k, align.num_pairs, a_row_div,
-        a.stride(0), a_s.stride(0), w.weight.stride(0), w.weight.stride(1), *s_strides, out.stride(0), W_FORMAT=fmt, GROUP=max(w.group_size, 1), GATED=gated,
+        num_post, perm, n_out, w.k, align.num_pairs, a_row_div,
+        a.stride(0), a_s.stride(0), w.weight.stride(0), w.weight.stride(1), *s_strides, out.stride(0), perm.stride(0),
+        W_FORMAT=fmt, GROUP=max(w.group_size, 1), GATED=gated, HAS_PERM=w.perm is not None,
         ROUTED=topk_weights is not None, FP8_UPCAST=fp8_upcast, MAGIC=_MAGIC.get(a.dtype, 0),
         PAIRED=paired_default(), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PAIR_BLOCKS=pair_blocks, A_QUANT=a_quant,

@@ -9,7 +9,8 @@ silu(gate) * up, rounded as activation.silu_mul_as_reference) or routed (out [P,
 topk_weights.flat[p]). Rows of `a` are bf16/fp16 with unit column stride; out [P, N] in a's dtype.
 Weights: moe_gemm's "int4" layout (fused_moe_int4.py): qweight int32 [E, N/16, K/128, 16, 16],
 where word i of row r in 128-channel tile t holds, in nibble j, channel 128t + 32 (j % 4) + 2i + j // 4
-(the paired order); scales [E, K/G, N] (activation dtype), zeros uint8 [E, K/G, N].
+(the paired order); scales [E, K/G, N] (activation dtype), zeros uint8 [E, K/G, N]; act-order
+experts: perm int32 [E, K], packed channel k reads a[p // a_row_div, perm[e, k]].
 Per tile, nibble plane j is a [BLOCK_N, 16] block whose columns are every other channel of a
 32-channel slice, so each thread multiplies the words it holds by a stride-2 slice of a, in fp32
 FMAs, and keeps a [BLOCK_N, 16] running sum (one cross-thread reduction at the end). Codes become 128 + q by placing
@@ -142,10 +143,11 @@ def pair_epilogue(y, y_up, out_ptr, part_ptr, counters_ptr, topk_w_ptr, pair, pi
 
 
 @triton.jit
-def _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1,
-              GROUP: tl.constexpr, ASM: tl.constexpr = False):
+def _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1, pe,
+              GROUP: tl.constexpr, ASM: tl.constexpr = False, HAS_PERM: tl.constexpr = False):
     """acc [BN, 16] += scaled partial sums of one 128-channel tile (packed [BN, 16] words, paired
-    order: nibble plane j is channels 32 (j % 4) + j // 4 + 2i, i = 0..15)."""
+    order: nibble plane j is channels 32 (j % 4) + j // 4 + 2i, i = 0..15); HAS_PERM: packed channel
+    k meets a[pe[k]] (the expert's act-order channel order)."""
     SLICES: tl.constexpr = GROUP // 32  # 32-channel slices (nibble planes j and j + 4) per group
     i = tl.arange(0, 16)
     high = packed >> 16  # [BN, 16]
@@ -154,7 +156,10 @@ def _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride
         a_sum = tl.zeros([16], dtype=tl.float32)
         for jj in tl.static_range(SLICES):
             for h in tl.static_range(2):
-                a_j = tl.load(a_ptr + a_off + k0 + 32 * (gi * SLICES + jj) + h + 2 * i).to(tl.float32)  # [16]
+                k_idx = k0 + 32 * (gi * SLICES + jj) + h + 2 * i  # [16]
+                if HAS_PERM:
+                    k_idx = tl.load(pe + k_idx)
+                a_j = tl.load(a_ptr + a_off + k_idx).to(tl.float32)  # [16]
                 part += plane_f32(packed, high, gi * SLICES + jj + 4 * h, ASM) * a_j[None, :]
                 a_sum += a_j
         g = (k0 + 32 * gi * SLICES) // GROUP
@@ -165,11 +170,11 @@ def _tile_dot(acc, packed, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride
 
 
 @triton.jit(do_not_specialize=["split_k"])  # one compile for every split factor
-def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr, topk_w_ptr, ids_ptr,
+def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr, topk_w_ptr, ids_ptr, perm_ptr,
                      N, K, a_row_div, stride_am, stride_we, stride_wc, stride_se, stride_s1, stride_s2,
-                     stride_om, split_k, GROUP: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
+                     stride_om, stride_pe, split_k, GROUP: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
                      BLOCK_N: tl.constexpr, LOADS_ONLY: tl.constexpr = False, ASM: tl.constexpr = False,
-                     PDL: tl.constexpr = False, EARLY_IDS: tl.constexpr = False):
+                     PDL: tl.constexpr = False, EARLY_IDS: tl.constexpr = False, HAS_PERM: tl.constexpr = False):
     """Grid (P, cdiv(N, BLOCK_N), split_k); a [rows, K], qweight/scales/zeros, out [P, N] and
     part fp32 [split_k, P, 2 or 1, N] as in the module docstring; K % 128 == 0.
     LOADS_ONLY (scripts/moe_gemv_probe.py only; the output is not a product): the same weight loads,
@@ -190,6 +195,7 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = (offs_n < N) & here
     s_off = expert * stride_se + offs_n * stride_s2  # [BN]
+    pe = perm_ptr + expert * stride_pe  # act-order channel order (read only under HAS_PERM)
     t_lo, t_hi = split_range(pid_k, K // 128, split_k)
     k_lo = t_lo * 128
     k_hi = t_hi * 128  # this split's channels [k_lo, k_hi)
@@ -212,7 +218,8 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr
         if LOADS_ONLY:
             acc += p0.to(tl.float32)
         else:
-            acc = _tile_dot(acc, p0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1, GROUP, ASM)
+            acc = _tile_dot(acc, p0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off, n_mask, stride_s1, pe, GROUP, ASM,
+                            HAS_PERM)
         p0 = p1
         p1 = p2
         if GATED:
@@ -221,7 +228,7 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr
                 acc_up += u0.to(tl.float32)
             else:
                 acc_up = _tile_dot(acc_up, u0, a_ptr, a_off, k0, s_ptr, z_ptr, s_off + N * stride_s2,
-                                   n_mask, stride_s1, GROUP, ASM)
+                                   n_mask, stride_s1, pe, GROUP, ASM, HAS_PERM)
             u0 = u1
             u1 = u2
     y = tl.sum(acc, axis=1)  # [BN]
@@ -247,10 +254,12 @@ def moe_gemv_int4(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor, out
     ids = topk_ids.reshape(-1)
     tw = topk_weights.reshape(-1).float() if topk_weights is not None else a
     grid, split, part, counters = pair_launch(w, pairs, n_out, block_n, split_k, gated, a.device)
-    _moe_gemv_kernel[grid](a, w.weight, w.scales, w.zeros, out, part, counters, tw, ids, n_out, w.k,
+    perm = w.perm if w.perm is not None else ids  # a stub pointer without act-order
+    _moe_gemv_kernel[grid](a, w.weight, w.scales, w.zeros, out, part, counters, tw, ids, perm, n_out, w.k,
                            a_row_div, a.stride(0), w.weight.stride(0), w.weight.stride(1),
                            w.scales.stride(0), w.scales.stride(1), w.scales.stride(2), out.stride(0),
-                           split, GROUP=w.group_size, GATED=gated, ROUTED=topk_weights is not None,
+                           perm.stride(0), split, GROUP=w.group_size, GATED=gated, HAS_PERM=w.perm is not None,
+                           ROUTED=topk_weights is not None,
                            BLOCK_N=block_n, LOADS_ONLY=_loads_only, ASM=paired_default() if _asm is None else _asm,
                            EARLY_IDS=early_ids, num_warps=num_warps, **pdl.launch(a.device))
     return out

@@ -14,7 +14,8 @@ padding costs tensor-core work only.
 
 Layouts as in moe_gemv.py: a [rows, K] bf16/fp16 with unit column stride (row pair // a_row_div);
 qweight int32 [E, N/16, K/128, 16, 16] (moe_gemm's "int4"), scales [E, K/G, N] in a's dtype, zeros
-uint8 [E, K/G, N]; out [P, N] (N/2 when gated) in a's dtype; K % 128 == 0; G 32, 64 or 128. A pair
+uint8 [E, K/G, N], act-order perm int32 [E, K] or none (moe_int4_loop); out [P, N] (N/2 when gated)
+in a's dtype; K % 128 == 0; G 32, 64 or 128. A pair
 whose expert id is negative reads no weight and gets zeros, as in the GEMV.
 
 FP8 (moe_pair_mma_fp8): the grouped GEMM's FP8 step (moe_gemm: e4m3 activation [BLOCK_M, 128] by
@@ -65,19 +66,20 @@ def _row0(acc, BLOCK_M: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["split_k"])  # one compile for every split factor
-def _moe_pair_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr, topk_w_ptr, ids_ptr,
+def _moe_pair_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters_ptr, topk_w_ptr, ids_ptr, perm_ptr,
                          N, K, a_row_div, stride_am, stride_we, stride_wc, stride_se, stride_s1, stride_s2,
-                         stride_om, split_k, GROUP: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
+                         stride_om, stride_pe, split_k, GROUP: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
                          MAGIC: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_M: tl.constexpr, PDL: tl.constexpr = False, HAS_PERM: tl.constexpr = False):
     """Grid (P, cdiv(N, BLOCK_N), split_k); layouts in the module docstring."""
     pdl.enter(PDL)
     pair, pid_n, pid_k, expert, offs_n, n_mask, row_mask, a_row = _pair_program(ids_ptr, a_row_div, N, BLOCK_N,
                                                                                 BLOCK_M)
     c_lo, c_hi = split_range(pid_k, K // 128, split_k)
     acc, acc_up = int4_mainloop(a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask,
-                                N, c_lo, c_hi, stride_we, stride_wc, stride_se, stride_s1, stride_s2, GATED, GROUP,
-                                MAGIC, PAIRED, a_ptr.dtype.element_ty, BLOCK_N, BLOCK_M)  # [BN, BM] each
+                                N, c_lo, c_hi, stride_we, stride_wc, stride_se, stride_s1, stride_s2, perm_ptr,
+                                stride_pe, GATED, GROUP, MAGIC, PAIRED, a_ptr.dtype.element_ty, BLOCK_N, BLOCK_M,
+                                HAS_PERM)  # [BN, BM] each
     y = _row0(acc, BLOCK_M)
     y_up = y
     if GATED:
@@ -104,10 +106,12 @@ def moe_pair_mma_int4(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor,
     ids = topk_ids.reshape(-1)
     tw = topk_weights.reshape(-1).float() if topk_weights is not None else a
     grid, split, part, counters = pair_launch(w, pairs, n_out, block_n, split_k, gated, a.device)
-    _moe_pair_mma_kernel[grid](a, w.weight, w.scales, w.zeros, out, part, counters, tw, ids, n_out, w.k,
+    perm = w.perm if w.perm is not None else ids  # a stub pointer without act-order
+    _moe_pair_mma_kernel[grid](a, w.weight, w.scales, w.zeros, out, part, counters, tw, ids, perm, n_out, w.k,
                                a_row_div, a.stride(0), w.weight.stride(0), w.weight.stride(1),
                                w.scales.stride(0), w.scales.stride(1), w.scales.stride(2), out.stride(0),
-                               split, GROUP=w.group_size, GATED=gated, ROUTED=topk_weights is not None,
+                               perm.stride(0), split, GROUP=w.group_size, GATED=gated, HAS_PERM=w.perm is not None,
+                               ROUTED=topk_weights is not None,
                                MAGIC=_MAGIC[a.dtype], PAIRED=paired_default() if _paired is None else _paired,
                                BLOCK_N=block_n, BLOCK_M=BLOCK_M, num_warps=num_warps, num_stages=num_stages,
                                **pdl.launch(a.device))
