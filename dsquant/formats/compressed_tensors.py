@@ -157,8 +157,11 @@ class CTGroup:
                                   "(expected pack-quantized)")
             if strategy not in ("group", "channel"):
                 raise ConfigError(f"compressed-tensors int4 strategy {strategy!r} is not supported")
-            if weights.get("actorder") not in (None, False, "static"):
-                raise ConfigError(f"compressed-tensors int4 actorder {weights.get('actorder')!r} is not supported")
+            # "weight" (alias "static") orders GPTQ's columns during calibration and stores nothing extra;
+            # "group" (alias "dynamic") stores weight_g_idx, which the runtime does not read
+            if weights.get("actorder") not in (None, False, "weight", "static"):
+                raise ConfigError(f"compressed-tensors int4 actorder {weights.get('actorder')!r} is not supported "
+                                  "(expected none, 'weight' or 'static')")
             group = weights.get("group_size") or 0 if strategy == "group" else 0
             return CTInt4Scheme(group, bool(weights.get("symmetric", True)))
         raise ConfigError(f"compressed-tensors weights {kind} {bits}-bit are not supported "

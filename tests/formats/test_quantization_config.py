@@ -63,3 +63,18 @@ def test_a_dense_checkpoint_has_no_format_and_an_unknown_method_is_refused():
         parse_quantization_config({"quant_method": "bitsandbytes"}, "quant_config.json")
     with pytest.raises(ConfigError, match=r"^config\.json: fp8 weight_block_size \[64, 64\] is not supported"):
         parse_quantization_config({"quant_method": "fp8", "weight_block_size": [64, 64]})
+
+
+@pytest.mark.parametrize("actorder", [None, "weight", "static", "group", "dynamic"])
+def test_compressed_tensors_actorder(actorder):
+    """llm-compressor's GPTQ actorder "weight" (alias "static") changes no tensor, so it loads; "group"
+    (alias "dynamic") stores weight_g_idx, which is refused by name."""
+    group = {"targets": ["Linear"], "format": "pack-quantized",
+             "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
+                         "actorder": actorder}}
+    config = {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
+    if actorder in ("group", "dynamic"):
+        with pytest.raises(ConfigError, match=f"actorder '{actorder}' is not supported"):
+            parse_quantization_config(config).scheme_for("model.layers.0.mlp.up_proj")
+        return
+    assert parse_quantization_config(config).scheme_for("model.layers.0.mlp.up_proj") == CTInt4Scheme(128, True)
