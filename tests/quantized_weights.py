@@ -7,7 +7,8 @@ tensor, the names QuantLinear's methods read), the dense float64 [N, K], and con
 quantization_config for LinearFactory. Formats: "fp8" (DeepSeek-V3 128 x 128 blocks), "awq"
 (AutoAWQ gemm), "gptq" (v1, plain g_idx; zero points >= 1, as v1 can store them),
 "gptq_act_order" (v1 with a permuted g_idx), "ct_int4" (compressed-tensors pack-quantized, asymmetric,
-bf16 scales) and "ct_fp8" (compressed-tensors float-quantized, 128 x 128 blocks, dynamic W8A8).
+bf16 scales), "ct_int4_act_order" (the same with actorder "group": weight_g_idx permuted) and "ct_fp8"
+(compressed-tensors float-quantized, 128 x 128 blocks, dynamic W8A8).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dsquant.formats.gptq import pack_gptq_qweight, to_gptq_tensors
 from dsquant.formats.int_grid import quantize_int_groupwise
 from tests.realistic_weights import FP8_TILE, realistic_weight
 
-FORMATS = ("fp8", "awq", "gptq", "gptq_act_order", "ct_int4", "ct_fp8")
+FORMATS = ("fp8", "awq", "gptq", "gptq_act_order", "ct_int4", "ct_int4_act_order", "ct_fp8")
 CT_FP8_CONFIG = {  # compressed-tensors W8A8 FP8 block, every Linear
     "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
     "config_groups": {"group_0": {
@@ -73,15 +74,21 @@ def quantize(fmt: str, w: torch.Tensor, *, group: int = 128, seed: int = 0) -> Q
         z = z.clamp(min=1)
         wg = w.float().reshape(n, k // group, group)
         q = (torch.round(wg / s[..., None]) + z[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
-    s16 = s.bfloat16() if fmt == "ct_int4" else s.half()  # compressed-tensors stores bf16 scales, the rest fp16
+    s16 = s.bfloat16() if fmt.startswith("ct_int4") else s.half()  # compressed-tensors stores bf16 scales
     g = torch.arange(k) // group
     dense = (q.double() - z.double()[:, g]) * s16.double()[:, g]  # [N, K]
-    if fmt == "ct_int4":
-        return QuantizedWeight(
-            pack_quantized_tensors(q, s16, z), dense,
-            {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
-             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                 "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": group}}}})
+    if fmt.startswith("ct_int4"):
+        weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": group}
+        tensors = pack_quantized_tensors(q, s16, z)
+        if fmt == "ct_int4_act_order":  # actorder "group": stored channel k is channel perm[k], with its group
+            perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed + 1))
+            tensors = {**pack_quantized_tensors(q[:, perm], s16, z), "weight_g_idx": g[perm].to(torch.int32)}
+            dense = dense[:, perm]
+            weights["actorder"] = "group"
+        return QuantizedWeight(tensors, dense, {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                                "ignore": ["lm_head"],
+                                                "config_groups": {"group_0": {"targets": ["Linear"],
+                                                                              "weights": weights}}})
     if fmt == "awq":
         qw, qz, sc = to_awq_tensors(q, s, z)
         return QuantizedWeight({"qweight": qw, "qzeros": qz, "scales": sc}, dense,

@@ -81,6 +81,7 @@ class CTInt4Scheme:
 
     group_size: int  # 0: channel (one group spanning K)
     symmetric: bool
+    g_idx: bool = False  # actorder "group": weight_g_idx [K] int32 holds each input channel's group
     marker: ClassVar[str] = "weight_packed"  # the tensor that tells a module is stored so
 
 
@@ -158,12 +159,17 @@ class CTGroup:
             if strategy not in ("group", "channel"):
                 raise ConfigError(f"compressed-tensors int4 strategy {strategy!r} is not supported")
             # "weight" (alias "static") orders GPTQ's columns during calibration and stores nothing extra;
-            # "group" (alias "dynamic") stores weight_g_idx, which the runtime does not read
-            if weights.get("actorder") not in (None, False, "weight", "static"):
-                raise ConfigError(f"compressed-tensors int4 actorder {weights.get('actorder')!r} is not supported "
-                                  "(expected none, 'weight' or 'static')")
+            # "group" (alias "dynamic") stores weight_g_idx: the groups are sets of channels scattered over K
+            actorder = weights.get("actorder")
+            if actorder not in (None, False, "weight", "static", "group", "dynamic"):
+                raise ConfigError(f"compressed-tensors int4 actorder {actorder!r} is not supported "
+                                  "(expected none, 'weight', 'static', 'group' or 'dynamic')")
             group = weights.get("group_size") or 0 if strategy == "group" else 0
-            return CTInt4Scheme(group, bool(weights.get("symmetric", True)))
+            g_idx = actorder in ("group", "dynamic")
+            if g_idx and not group:
+                raise ConfigError(f"compressed-tensors int4 actorder {actorder!r} needs the group strategy, "
+                                  f"got {strategy!r}")
+            return CTInt4Scheme(group, bool(weights.get("symmetric", True)), g_idx)
         raise ConfigError(f"compressed-tensors weights {kind} {bits}-bit are not supported "
                           "(expected int 4-bit or float 8-bit)")
 

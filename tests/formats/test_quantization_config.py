@@ -67,14 +67,19 @@ def test_a_dense_checkpoint_has_no_format_and_an_unknown_method_is_refused():
 
 @pytest.mark.parametrize("actorder", [None, "weight", "static", "group", "dynamic"])
 def test_compressed_tensors_actorder(actorder):
-    """llm-compressor's GPTQ actorder "weight" (alias "static") changes no tensor, so it loads; "group"
-    (alias "dynamic") stores weight_g_idx, which is refused by name."""
-    group = {"targets": ["Linear"], "format": "pack-quantized",
-             "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
-                         "actorder": actorder}}
+    """llm-compressor's GPTQ actorder "weight" (alias "static") changes no tensor; "group" (alias
+    "dynamic") stores weight_g_idx, each input channel's group (CTInt4Scheme.g_idx), which needs the
+    group strategy."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
+               "actorder": actorder}
+    group = {"targets": ["Linear"], "format": "pack-quantized", "weights": weights}
     config = {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
-    if actorder in ("group", "dynamic"):
-        with pytest.raises(ConfigError, match=f"actorder '{actorder}' is not supported"):
+    g_idx = actorder in ("group", "dynamic")
+    assert parse_quantization_config(config).scheme_for("model.layers.0.mlp.up_proj") == CTInt4Scheme(128, True, g_idx)
+    weights.update(strategy="channel", group_size=None)
+    if g_idx:
+        with pytest.raises(ConfigError, match=f"actorder '{actorder}' needs the group strategy, got 'channel'"):
             parse_quantization_config(config).scheme_for("model.layers.0.mlp.up_proj")
-        return
-    assert parse_quantization_config(config).scheme_for("model.layers.0.mlp.up_proj") == CTInt4Scheme(128, True)
+    weights.update(strategy="group", group_size=128, actorder="sometimes")
+    with pytest.raises(ConfigError, match="actorder 'sometimes' is not supported"):
+        parse_quantization_config(config).scheme_for("model.layers.0.mlp.up_proj")

@@ -44,7 +44,8 @@ from tests.quantized_weights import FORMATS, realistic_quantized
 from tests.realistic_weights import max_block_rel_err, realistic_activations
 
 PREFIX = "model.layers.0.self_attn"
-GROUP = {"fp8": 128, "awq": 128, "gptq": 64, "gptq_act_order": 64, "ct_int4": 64, "ct_fp8": 128}
+GROUP = {"fp8": 128, "awq": 128, "gptq": 64, "gptq_act_order": 64, "ct_int4": 64, "ct_int4_act_order": 64,
+         "ct_fp8": 128}
 EPS = 1e-6
 LOGIT_STD = 2.5  # the q scale is set per head so that scores have about this spread
 
@@ -201,7 +202,8 @@ def absorbed_module(fmt, qw, heads, nope, rope, v, rank, device, dtype, world=1,
     backend = TritonPagedAttention()
     module = mla_module(heads, nope, rope, v, rank, qw.config, backend)
     proj = module.kv_b_proj
-    assert proj.method.name == {"fp8": "fp8_block", "ct_int4": "ct_int4", "ct_fp8": "ct_fp8"}.get(fmt, fmt.split("_")[0])
+    assert proj.method.name == {"fp8": "fp8_block", "ct_int4": "ct_int4", "ct_int4_act_order": "ct_int4",
+                                "ct_fp8": "ct_fp8"}.get(fmt, fmt.split("_")[0])
     if fmt in ("fp8", "ct_fp8"):
         assert proj.method.dynamic_activations is False  # absorbed: kv_b_proj's input is never quantized
     tensors, dense = qw.tensors, qw.dense

@@ -45,7 +45,12 @@ def _linear(fmt: str, n: int, seed: int) -> QuantLinear:
             tensors = pack_quantized_tensors(q, scales.to(torch.bfloat16), zeros)
             if symmetric:
                 del tensors["weight_zero_point"]
-            method = CTPackedInt4Method(group_size=64, symmetric=symmetric)
+            act_order = fmt.endswith("-ao")  # actorder "group": one channel order for both (one input)
+            if act_order:
+                perm = torch.randperm(K, generator=torch.Generator().manual_seed(99 if seed < 10 else seed))
+                tensors = {**pack_quantized_tensors(q[:, perm], scales.to(torch.bfloat16), zeros),
+                           "weight_g_idx": (perm // 64).to(torch.int32)}
+            method = CTPackedInt4Method(group_size=64, symmetric=symmetric, g_idx=act_order)
         elif fmt == "awq":
             qw, qz, sc = to_awq_tensors(q, scales, zeros)
             tensors, method = {"qweight": qw, "qzeros": qz, "scales": sc}, AWQMethod(group_size=64)
@@ -59,7 +64,7 @@ def _linear(fmt: str, n: int, seed: int) -> QuantLinear:
     return lin
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8_block", "awq", "gptq", "ct_int4-asym", "ct_int4-sym",
+@pytest.mark.parametrize("fmt", ["dense", "fp8_block", "awq", "gptq", "ct_int4-asym", "ct_int4-sym", "ct_int4-ao",
                                  "ct_fp8-block", "ct_fp8-channel"])
 def test_concat_equals_side_by_side(fmt):
     first, second = _linear(fmt, 384, 1), _linear(fmt, 200 if "fp8" in fmt else 72, 2)
@@ -84,6 +89,8 @@ def test_refuses_what_it_cannot_fuse():
     assert concat_linears(_linear("dense", 128, 1), _linear("awq", 128, 2), "x") is None
     a, b = _linear("ct_int4-asym", 128, 1), _linear("ct_int4-sym", 128, 2)  # symmetry differs
     assert concat_linears(a, b, "x") is None and list(a.parameters(recurse=False))
+    a, b = _linear("ct_int4-ao", 128, 1), _linear("ct_int4-ao", 128, 12)  # two channel orders
+    assert concat_linears(a, b, "x") is None and a.fusion_refused == "g_idx differ"
     a, b = _linear("ct_fp8-block", 128, 1), _linear("ct_fp8-block", 128, 2)
     b.method.dynamic_activations = True  # W8A16 beside W8A8
     assert concat_linears(a, b, "x") is None

@@ -46,10 +46,11 @@ def test_kernels_match_torch_path(family, tiny_models):
 @CPU_ONLY
 @pytest.mark.parametrize("scheme,fmt,folded", [
     ("awq", "int4", 1), ("gptq-plain", "int4", 1), ("ct", "int4", 1), ("fp8", "fp8", 1), ("ct-fp8", "fp8", 1),
-    ("gptq", "int4", 1)])
+    ("gptq", "int4", 1), ("ct-ao", "int4", 1)])
 def test_fused_moe_over_quantized_experts(scheme, fmt, folded, wide_moe, tmp_path):
     """Experts of every INT4 source (AWQ, GPTQ with or without act-order, compressed-tensors
-    pack-quantized) and W8A8 FP8 block source run on the quantized grouped GEMMs, and shared experts
+    pack-quantized, also with actorder "group") and W8A8 FP8 block source run on the quantized grouped
+    GEMMs, and shared experts
     in the routed experts' format are folded into them; act-order GPTQ experts keep their channel
     orders (GroupedWeight.perm), and so does a single act-order shared expert, folded uncut."""
     quant, _ = write_pair(wide_moe, tmp_path, scheme)
@@ -58,7 +59,7 @@ def test_fused_moe_over_quantized_experts(scheme, fmt, folded, wide_moe, tmp_pat
     mlp = eng[0].model.model.layers[1].mlp
     assert {w.w13.format for w in mlp.backend.weights.values()} == {fmt}
     assert mlp.backend.num_folded(mlp) == folded and mlp.backend.weights[mlp].num_experts == 8 + folded
-    assert (mlp.backend.weights[mlp].w13.perm is not None) == (scheme == "gptq")
+    assert (mlp.backend.weights[mlp].w13.perm is not None) == (scheme in ("gptq", "ct-ao"))
     assert kernel_fallbacks(eng[0].model) == []  # what validate and tune report beside the latency
 
 
@@ -108,7 +109,7 @@ def test_fp8_experts_off_the_128_grid_run_dequantized(tmp_path):
 
 @CPU_ONLY
 @pytest.mark.parametrize("scheme,tol", [(None, 1e-5), ("awq", 1e-4), ("gptq-plain", 1e-4), ("gptq", 1e-4),
-                                        ("ct", 1e-4), ("fp8", 3e-2), ("ct-fp8", 3e-2)])
+                                        ("ct", 1e-4), ("ct-ao", 1e-4), ("fp8", 3e-2), ("ct-fp8", 3e-2)])
 def test_folded_shared_experts_give_the_reference_moe_output(scheme, tol, wide_moe, tmp_path):
     """The MoE block with its shared expert folded into the grouped experts (kernel path) against
     the reference block (expert loop + dense shared MLP) on the same weights and fresh inputs."""

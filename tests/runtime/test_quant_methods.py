@@ -112,6 +112,56 @@ def test_compressed_tensors_pack_quantized(symmetric):
     check(layer, grouped_weight(q, z, s.bfloat16().float(), torch.arange(K) // G))
 
 
+def test_compressed_tensors_pack_quantized_act_order():
+    """actorder "group": weight_g_idx gives each input channel's group (groups scattered over K). The
+    torch path and dequantized_weight follow it; int4_codes gives the codes sorted by group with the
+    order, which int4_experts packs back to the same weight."""
+    from dsquant.runtime.kernels.moe.fused_moe_int4 import dequantize_int4_experts, int4_experts
+
+    q, z, s = codes(6)
+    g_idx = torch.empty(K, dtype=torch.long)
+    g_idx[torch.randperm(K, generator=torch.Generator().manual_seed(7))] = torch.arange(K) // G
+    stored = {"weight_packed": pack_to_int32((q - 8).to(torch.int8), 4), "weight_scale": s.bfloat16(),
+              "weight_zero_point": pack_to_int32((z - 8).to(torch.int8), 4, packed_dim=0),
+              "weight_shape": torch.tensor([N, K]), "weight_g_idx": g_idx.to(torch.int32)}
+    layer = QuantLinear(CTPackedInt4Method(group_size=G, symmetric=False, g_idx=True), "m", K, N, False)
+    fill(layer, stored)
+    w_ref = grouped_weight(q, z, s.bfloat16().float(), g_idx)
+    check(layer, w_ref)
+    layer = QuantLinear(CTPackedInt4Method(group_size=G, symmetric=False, g_idx=True), "m", K, N, False)
+    for name, t in stored.items():  # loaded, not processed: the packed tensors stay for int4_codes
+        layer._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
+    cq, cz, cs, perm = layer.method.int4_codes(layer)
+    assert torch.equal(g_idx[perm], torch.arange(K) // G) and torch.equal(cq, q[:, perm].to(cq.dtype))
+    packed = int4_experts(cq[None].to(torch.uint8), cz[None], cs[None], G, perm=perm[None])
+    torch.testing.assert_close(dequantize_int4_experts(packed)[0], w_ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_compressed_tensors_act_order_kernel_path_gpu():
+    """actorder "group" on the W4A16 kernels (the activations gathered through the order) equals x @ W^T."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    q, z, s = codes(8)
+    n, k = N, K
+    g_idx = torch.empty(k, dtype=torch.long)
+    g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(9))] = torch.arange(k) // G
+    layer = QuantLinear(CTPackedInt4Method(group_size=G, symmetric=False, g_idx=True), "m", k, n, False)
+    tensors = {"weight_packed": pack_to_int32((q - 8).to(torch.int8), 4), "weight_scale": s.bfloat16(),
+               "weight_zero_point": pack_to_int32((z - 8).to(torch.int8), 4, packed_dim=0),
+               "weight_shape": torch.tensor([n, k]), "weight_g_idx": g_idx.to(torch.int32)}
+    for name, t in tensors.items():
+        layer._parameters[name] = torch.nn.Parameter(t.cuda(), requires_grad=False)
+    layer.compute_dtype = torch.bfloat16
+    layer.method.process_weights_after_loading(layer)
+    assert layer.w4.perm is not None
+    w_ref = grouped_weight(q, z, s.bfloat16().float(), g_idx)
+    for m in (1, 2, 16, 64):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        ref = x.float().cpu() @ w_ref.t()
+        torch.testing.assert_close(layer(x).float().cpu(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
 @pytest.mark.parametrize("strategy", ["block", "channel", "tensor"])
 def test_compressed_tensors_float_quantized(strategy):
     w = torch.randn(N, K)

@@ -15,7 +15,7 @@ from dsquant.formats import fp8_block
 from dsquant.formats.awq_gemm import dequantize_awq, to_awq_tensors
 from dsquant.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from dsquant.formats.gptq import dequantize_gptq, pack_gptq_qweight, pack_gptq_qzeros
-from dsquant.formats.int_grid import dequantize_int_groupwise, quantize_int_groupwise
+from dsquant.formats.int_grid import quantize_int_groupwise
 from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
 
@@ -49,16 +49,25 @@ def encode(scheme: str, name: str, w: torch.Tensor, seed: int):
         sc = s.t().contiguous().half()
         return ({f"{mod}.qweight": qw, f"{mod}.qzeros": qz, f"{mod}.scales": sc, f"{mod}.g_idx": g_idx},
                 dequantize_gptq(qw, qz, sc, g_idx))
-    if scheme in ("fp8", "ct-fp8") or (scheme == "ct" and ".self_attn." in name):
+    if scheme in ("fp8", "ct-fp8") or (scheme in ("ct", "ct-ao") and ".self_attn." in name):
         fp8, sinv = quantize_fp8_block(w)
         key = "weight_scale" if scheme.startswith("ct") else "weight_scale_inv"
         return {f"{mod}.weight": fp8, f"{mod}.{key}": sinv}, dequantize_fp8_block(fp8, sinv)
-    q, s, z = quantize_int_groupwise(w, G)  # compressed-tensors pack-quantized int4
+    # compressed-tensors pack-quantized int4; ct-ao: actorder "group" (weight_g_idx), gate and up sharing it
+    k = w.shape[1]
+    seed = zlib.crc32(mod.replace("gate_proj", "up_proj").encode()) + k
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if scheme == "ct-ao" else torch.arange(k)
+    inv = torch.argsort(perm)
+    q, s, z = quantize_int_groupwise(w[:, perm], G)  # groups are runs of perm
+    q = q[:, inv]  # stored in the input channels' order, each with its group in weight_g_idx
     s = s.bfloat16()
+    g_idx = (inv // G).long()
     tensors = {f"{mod}.weight_packed": pack_to_int32((q - 8).to(torch.int8), 4), f"{mod}.weight_scale": s,
                f"{mod}.weight_zero_point": pack_to_int32((z - 8).to(torch.int8), 4, packed_dim=0),
                f"{mod}.weight_shape": torch.tensor(list(w.shape))}
-    return tensors, dequantize_int_groupwise(q, s.float(), z, G)
+    if scheme == "ct-ao":
+        tensors[f"{mod}.weight_g_idx"] = g_idx.to(torch.int32)
+    return tensors, (q - z[:, g_idx]).float() * s.float()[:, g_idx]
 
 
 QCONFIG = {
@@ -75,6 +84,14 @@ QCONFIG = {
                "group_1": {"targets": [r"re:^model\.layers\.\d+\.mlp\..*$"], "format": "pack-quantized",
                            "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
                                        "group_size": G}}}},
+    "ct-ao": {"quant_method": "compressed-tensors", "format": "mixed-precision", "ignore": ["lm_head"],
+           "config_groups": {
+               "group_0": {"targets": [r"re:^model\.layers\.\d+\.self_attn\..*$"], "format": "float-quantized",
+                           "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                                       "block_structure": [128, 128]}},
+               "group_1": {"targets": [r"re:^model\.layers\.\d+\.mlp\..*$"], "format": "pack-quantized",
+                           "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                                       "group_size": G, "actorder": "group"}}}},
     "ct-fp8": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
                "config_groups": {"group_0": {
                    "targets": ["Linear"],

@@ -168,6 +168,8 @@ CASES = [
     ("ct_int4", 200, 256, COLUMN, (4,), 128, "dense"),  # 50 rows a rank: not whole zero-point packs
     ("ct_int4", 256, 512, ROW, (2, 4), 128, None),
     ("ct_int4", 256, 384, ROW, (4,), 128, None),  # 96 channels a rank: groups of 32
+    ("ct_int4_act_order", 256, 256, COLUMN, (2, 4), 64, None),  # weight_g_idx kept whole
+    ("ct_int4_act_order", 256, 256, ROW, (2,), 64, "dense"),  # a rank's channels reach every group
     ("ct_fp8", 1024, 640, COLUMN, (2, 4), 128, None),
     ("ct_fp8", 384, 256, COLUMN, (2,), 128, "dense"),
     ("ct_fp8", 384, 1024, ROW, (2, 4), 128, None),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsquant.formats import fp8_block
+from dsquant.formats import fp8_block, gptq
 from dsquant.formats.compressed_tensors import CTFp8Scheme, CTGroup, CTInt4Scheme, unpack_int4_rows
 from dsquant.runtime.layers.quant import LinearMethod, _meta, _w4a16_apply
 
@@ -20,6 +20,7 @@ class CTPackedInt4Method(LinearMethod):
 
     group_size: int = 128  # 0 or -1: channel strategy (one group spanning K)
     symmetric: bool = False
+    g_idx: bool = False  # actorder "group": weight_g_idx [K] int32, each input channel's group
     name = "ct_int4"
 
     def _groups(self, k: int) -> int:
@@ -32,6 +33,21 @@ class CTPackedInt4Method(LinearMethod):
         if not self.symmetric:
             layer.weight_zero_point = _meta((n // 8, g), torch.int32)
         layer.weight_shape = _meta((2,), torch.int64)
+        if self.g_idx:
+            layer.weight_g_idx = _meta((k,), torch.int32)
+
+    def _channel_groups(self, layer, k: int, device) -> torch.Tensor:
+        """[K] int64: the group of each input channel (weight_g_idx under actorder "group")."""
+        if self.g_idx:
+            return layer.weight_g_idx.to(device=device, dtype=torch.long)
+        gs = k if self.group_size <= 0 else self.group_size
+        return torch.arange(k, device=device) // gs
+
+    def _perm(self, layer):
+        """The act-order channel order (gptq.act_order_perm of weight_g_idx), or None."""
+        if not self.g_idx:
+            return None
+        return gptq.act_order_perm(layer.weight_g_idx, layer.weight_scale.shape[1])
 
     def _codes(self, layer):
         """-> (q [N, K] unsigned codes, z [N, G] unsigned zero points, s [N, G] fp32)."""
@@ -45,15 +61,17 @@ class CTPackedInt4Method(LinearMethod):
         return q[:, :k], z, s
 
     def int4_codes(self, layer):
-        """-> (codes [N, K] 0..15, zero points [K/G, N], scales [K/G, N] in the stored dtype, perm None)."""
+        """-> (codes [N, K] 0..15, zero points [K/G, N], scales [K/G, N] in the stored dtype, perm): perm
+        as GPTQMethod.int4_codes gives it (None unless actorder "group" scatters the groups over K)."""
         q, z, s = self._codes(layer)
-        return q, z.t(), s.t().to(layer.weight_scale.dtype), None
+        perm = self._perm(layer)
+        if perm is not None:
+            q = q[:, perm]
+        return q, z.t(), s.t().to(layer.weight_scale.dtype), perm
 
     def dequantized_weight(self, layer, dtype):
         q, z, s = self._codes(layer)
-        k = q.shape[1]
-        gs = k if self.group_size <= 0 else self.group_size
-        g = torch.arange(k, device=q.device) // gs  # [K]
+        g = self._channel_groups(layer, q.shape[1], q.device)  # [K]
         return ((q - z[:, g]).to(torch.float32) * s[:, g]).to(dtype)  # [N, K]
 
     def process_weights_after_loading(self, layer):
@@ -61,11 +79,11 @@ class CTPackedInt4Method(LinearMethod):
             return super().process_weights_after_loading(layer)
         from dsquant.runtime.kernels.gemm.w4a16_repack import kernel_weights
 
-        q, z, s = self._codes(layer)  # [N, K], [N, K/G], [N, K/G]
-        n, k = q.shape
+        q, z, s, perm = self.int4_codes(layer)  # [N, K] (act-order: columns by group), [K/G, N] x 2, [K]
+        k = q.shape[1]
         gs = k if self.group_size <= 0 else self.group_size
-        layer.w4 = kernel_weights(q.t(), z.t(), s.t().to(layer.weight_scale.dtype), gs)
-        self.release(layer, ("weight_packed", "weight_scale", "weight_zero_point"))
+        layer.w4 = kernel_weights(q.t(), z, s, gs, None if perm is None else perm.to(torch.int32).contiguous())
+        self.release(layer, ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx"))
 
     def apply(self, layer, x):
         if not self.use_kernels(x):
@@ -132,7 +150,7 @@ class CTFloat8Method(LinearMethod):
 
 # a group's parsed scheme -> its method object
 CT_METHODS = {
-    CTInt4Scheme: lambda s: CTPackedInt4Method(group_size=s.group_size, symmetric=s.symmetric),
+    CTInt4Scheme: lambda s: CTPackedInt4Method(group_size=s.group_size, symmetric=s.symmetric, g_idx=s.g_idx),
     CTFp8Scheme: lambda s: CTFloat8Method(strategy=s.strategy, dynamic_activations=s.dynamic_activations),
 }
 

@@ -11,7 +11,8 @@ Concatenation along N, per format (the tensors as the checkpoint stores them):
   awq        qweight/qzeros [.., N/8], scales [.., N]        dim 1; N multiples of 8, same group size
   gptq       qweight/scales [.., N], qzeros [.., N/8]        dim 1; N multiples of 8, equal g_idx
   ct_int4    weight_packed [N, K/8], weight_scale [N, G],     dim 0; N multiples of 8; weight_shape
-             weight_zero_point [N/8, G] (asymmetric only)     rewritten to [N1 + N2, K]
+             weight_zero_point [N/8, G] (asymmetric only)     rewritten to [N1 + N2, K]; actorder
+                                                              "group": equal weight_g_idx, kept
   ct_fp8     weight [N, K], weight_scale [N/128, K/128]       dim 0; block strategy: the first N a
              (block) or [N, 1] (channel)                      multiple of 128; tensor strategy not fused
 The two methods must be equal (group size, symmetry, activation quantization, ...). Other formats,
@@ -47,6 +48,13 @@ def _multiple(method) -> int:
     return _CONCAT[method.name][2]
 
 
+def _g_idx_name(method) -> str | None:
+    """The tensor holding each input channel's group (kept whole: the pair shares its input), if any."""
+    if method.name == "gptq":
+        return "g_idx"
+    return "weight_g_idx" if method.name == "ct_int4" and method.g_idx else None
+
+
 def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> QuantLinear | None:
     """A QuantLinear computing [first(x), second(x)] (loaded, not yet processed), or None when the
     pair cannot be fused (the reason is logged). Takes the two modules' checkpoint tensors."""
@@ -66,8 +74,9 @@ def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> Quan
         why = "input sizes differ"
     elif first.out_features % _multiple(first.method):
         why = f"{first.prefix} has {first.out_features} outputs, not a multiple of {_multiple(first.method)}"
-    elif fmt == "gptq" and not torch.equal(first.g_idx, second.g_idx):
-        why = "g_idx differ"
+    elif _g_idx_name(first.method) and not torch.equal(getattr(first, _g_idx_name(first.method)),
+                                                      getattr(second, _g_idx_name(first.method))):
+        why = "g_idx differ"  # act-order: one channel order for both (GPTQ gives one input one order)
     names, dim, _ = _CONCAT.get(fmt, ((), 0, 1))
     if fmt == "ct_int4" and first.method.symmetric:
         names = names[:2]  # symmetric: no zero points
@@ -85,8 +94,8 @@ def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> Quan
         if a.dtype != b.dtype:
             b = b.to(a.dtype)
         fused._parameters[name] = torch.nn.Parameter(torch.cat([a, b], dim=dim), requires_grad=False)
-    if fmt == "gptq":
-        fused._parameters["g_idx"] = first.g_idx
+    if _g_idx_name(first.method):
+        fused._parameters[_g_idx_name(first.method)] = getattr(first, _g_idx_name(first.method))
     if fmt == "ct_int4":  # the original [N, K] of the packed weight
         shape = torch.tensor([fused.out_features, first.in_features], dtype=torch.int64)
         fused._parameters["weight_shape"] = torch.nn.Parameter(shape, requires_grad=False)

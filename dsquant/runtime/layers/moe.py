@@ -5,8 +5,8 @@ Linear repacks itself): the experts' per-module tensors are stacked into the fus
 grouped layout (fused_moe.py: w13 = gate rows then up rows [E, 2I, H], w2 [E, H, I]) and the
 per-expert tensors are dropped. Formats: bf16/fp16 experts as they are; INT4 experts of every
 source (AWQ gemm, GPTQ v1/v2, compressed-tensors pack-quantized: each method's `int4_codes`) through
-int4_experts, act-order GPTQ with each expert's channel order (GroupedWeight.perm, which the kernels
-gather the activations through); W8A8 FP8 block experts (fp8_block, compressed-tensors block
+int4_experts, act-order GPTQ and compressed-tensors' actorder "group" with each expert's channel order
+(GroupedWeight.perm, which the kernels gather the activations through); W8A8 FP8 block experts (fp8_block, compressed-tensors block
 strategy: `fp8_block_tensors`) through fp8_experts. What the grouped GEMMs refuse (ValueError: group
 sizes other than 32/64/128, off-grid shapes, gate and up with different act-order orders, FP8
 channel/tensor scales or weight-only FP8, whose activations the FP8 grouped GEMM would quantize) is
@@ -44,7 +44,13 @@ FP8 = ("fp8_block", "ct_fp8")
 AXES = {"weight": (0, 1), "weight_scale_inv": (0, 1), "qweight": (1, 0), "qzeros": (1, 0), "scales": (1, 0),
         "weight_packed": (0, 1), "weight_scale": (0, 1), "weight_zero_point": (0, 1)}
 # tensors a stand-in does without: the packed shape (the codes carry it), a plain g_idx (checked below)
-DERIVED = ("weight_shape", "g_idx")
+G_IDX = ("g_idx", "weight_g_idx")  # GPTQ's, compressed-tensors' (actorder "group")
+DERIVED = ("weight_shape",) + G_IDX
+
+
+def _num_groups(linear) -> int:
+    """Quantization groups along K: GPTQ scales [K/G, N], compressed-tensors weight_scale [N, K/G]."""
+    return linear.scales.shape[0] if linear.method.name == "gptq" else linear.weight_scale.shape[1]
 
 
 def _shared_as_experts(module, routed) -> list:
@@ -64,7 +70,7 @@ def _shared_as_experts(module, routed) -> list:
         for attr, t in getattr(shared, p)._parameters.items():
             if t is None:
                 continue
-            if attr == "g_idx" and not is_plain_g_idx(t, getattr(shared, p).scales.shape[0]):
+            if attr in G_IDX and not is_plain_g_idx(t, _num_groups(getattr(shared, p))):
                 if n != 1:  # act-order: a cut along K would split its groups, which are not runs of K
                     return []
                 parts[0][p][attr] = t  # one stand-in, uncut: it keeps its channel order (int4_codes)

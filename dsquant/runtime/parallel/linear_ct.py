@@ -6,6 +6,8 @@
            weight_shape [2]. N: start and size multiples of 8 (whole zero-point packs). K: start
            and size multiples of 8 (whole code packs), re-grouped to G' = gcd(G, start, size) as
            AWQ is (a multiple of 32); the channel strategy is one group of K, re-grouped alike.
+           weight_g_idx [K] (actorder "group"): whole on every column shard; a row split takes only
+           plain groups (act-order ones reach all over K: no shard).
   ct_fp8   weight [N, K]; weight_scale [N/128, K/128] (block: linear.py's block rule), [N, 1]
            (channel: rows follow N, every K split keeps them) or [1] (tensor: every split keeps it).
            A W8A8 row split whose activation groups span ranks: block scales become linear.py's
@@ -19,13 +21,15 @@ from dataclasses import replace
 
 import torch
 
+from dsquant.formats.gptq import is_plain_g_idx
 from dsquant.runtime.layers.compressed_tensors import CTFloat8Method, CTPackedInt4Method
 from dsquant.runtime.parallel.shard_parts import COLUMN, LinearShard, block_index, cut, regroup
 
 
 def ct_int4_shard(method: CTPackedInt4Method, p: str, kind: str, part, get, n: int, k: int):
     """LinearShard of a pack-quantized INT4 layer, or None when the split breaks its packs or groups."""
-    keys = {a: f"{p}.{a}" for a in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")}
+    keys = {a: f"{p}.{a}" for a in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
+                                    "weight_g_idx")}
     if part.start % 8 or part.size % 8:
         return None
     packs = slice(part.start // 8, part.stop // 8)
@@ -35,8 +39,13 @@ def ct_int4_shard(method: CTPackedInt4Method, p: str, kind: str, part, get, n: i
                  keys["weight_shape"]: lambda: torch.tensor([part.size, k], dtype=torch.int64)}
         if not method.symmetric:
             rules[keys["weight_zero_point"]] = lambda: cut(get(keys["weight_zero_point"]), 0, packs)
+        if method.g_idx:  # every rank keeps all input channels, and their groups
+            rules[keys["weight_g_idx"]] = lambda: get(keys["weight_g_idx"])
         return LinearShard(replace(method), rules)
-    regrouped = regroup(method.group_size if method.group_size > 0 else k, part)
+    group = method.group_size if method.group_size > 0 else k
+    if method.g_idx and not is_plain_g_idx(get(keys["weight_g_idx"]), k // group):
+        return None  # actorder "group": a rank's channels reach groups all over K
+    regrouped = regroup(group, part)
     if regrouped is None:
         return None
     g2, groups = regrouped
@@ -45,6 +54,8 @@ def ct_int4_shard(method: CTPackedInt4Method, p: str, kind: str, part, get, n: i
              keys["weight_shape"]: lambda: torch.tensor([n, part.size], dtype=torch.int64)}
     if not method.symmetric:
         rules[keys["weight_zero_point"]] = lambda: cut(get(keys["weight_zero_point"]), 1, groups)
+    if method.g_idx:  # plain groups: the rank's own runs
+        rules[keys["weight_g_idx"]] = lambda: (torch.arange(part.size) // g2).to(torch.int32)
     return LinearShard(replace(method, group_size=g2), rules)
 
 
