@@ -1,5 +1,6 @@
 """Quantized checkpoints load through the runtime's methods and give the same greedy tokens as a
 dense checkpoint holding the weights they encode; a shard that disagrees with dsquant.json is refused."""
+import copy
 import hashlib
 import json
 import shutil
@@ -84,14 +85,6 @@ QCONFIG = {
                "group_1": {"targets": [r"re:^model\.layers\.\d+\.mlp\..*$"], "format": "pack-quantized",
                            "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
                                        "group_size": G}}}},
-    "ct-ao": {"quant_method": "compressed-tensors", "format": "mixed-precision", "ignore": ["lm_head"],
-           "config_groups": {
-               "group_0": {"targets": [r"re:^model\.layers\.\d+\.self_attn\..*$"], "format": "float-quantized",
-                           "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
-                                       "block_structure": [128, 128]}},
-               "group_1": {"targets": [r"re:^model\.layers\.\d+\.mlp\..*$"], "format": "pack-quantized",
-                           "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
-                                       "group_size": G, "actorder": "group"}}}},
     "ct-fp8": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
                "config_groups": {"group_0": {
                    "targets": ["Linear"],
@@ -100,6 +93,9 @@ QCONFIG = {
                    "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
                                          "group_size": 128, "dynamic": True}}}},
 }
+# compressed-tensors' actorder "group": the "ct" artifact's INT4 group with weight_g_idx
+QCONFIG["ct-ao"] = copy.deepcopy(QCONFIG["ct"])
+QCONFIG["ct-ao"]["config_groups"]["group_1"]["weights"]["actorder"] = "group"
 
 
 def write_pair(src, tmp_path, scheme: str):
