@@ -47,24 +47,27 @@ def preset(name: str) -> Preset:
     """The named kernel with its launch's signature (see the module docstring)."""
     if name in ("moe_gemv", "moe_gemv_down"):
         from dsquant.runtime.kernels.moe import moe_gemv as mod
-        args = _typed("a_ptr w_ptr s_ptr z_ptr out_ptr part_ptr counters_ptr topk_w_ptr ids_ptr",
-                      "*bf16 *i32 *bf16 *u8 *bf16 *fp32 *i32 *fp32 *i32")
-        args += _ints("N K a_row_div stride_am stride_we stride_wc stride_se stride_s1 stride_s2 stride_om split_k")
+        args = _typed("a_ptr w_ptr s_ptr z_ptr out_ptr part_ptr counters_ptr topk_w_ptr ids_ptr perm_ptr",
+                      "*bf16 *i32 *bf16 *u8 *bf16 *fp32 *i32 *fp32 *i32 *i32")
+        args += _ints("N K a_row_div stride_am stride_we stride_wc stride_se stride_s1 stride_s2 stride_om stride_pe "
+                      "split_k")
         gated = name == "moe_gemv"
         ce = dict(GROUP=128, GATED=gated, ROUTED=not gated, BLOCK_N=16, LOADS_ONLY=False, ASM=True, PDL=False,
-                  EARLY_IDS=False)
+                  EARLY_IDS=False, HAS_PERM=False)
         return Preset(mod._moe_gemv_kernel, args, ce, ["N", "K", "stride_am", "stride_we", "stride_wc", "stride_se",
-                                                       "stride_s1", "stride_om"], ["stride_s2"], 1)
+                                                       "stride_s1", "stride_om"], ["stride_s2", "stride_pe"], 1)
     if name in ("moe_pair_mma", "moe_pair_mma_down"):
         from dsquant.runtime.kernels.moe import moe_pair_mma as mod
-        args = _typed("a_ptr w_ptr s_ptr z_ptr out_ptr part_ptr counters_ptr topk_w_ptr ids_ptr",
-                      "*bf16 *i32 *bf16 *u8 *bf16 *fp32 *i32 *fp32 *i32")
-        args += _ints("N K a_row_div stride_am stride_we stride_wc stride_se stride_s1 stride_s2 stride_om split_k")
+        args = _typed("a_ptr w_ptr s_ptr z_ptr out_ptr part_ptr counters_ptr topk_w_ptr ids_ptr perm_ptr",
+                      "*bf16 *i32 *bf16 *u8 *bf16 *fp32 *i32 *fp32 *i32 *i32")
+        args += _ints("N K a_row_div stride_am stride_we stride_wc stride_se stride_s1 stride_s2 stride_om stride_pe "
+                      "split_k")
         gated = name == "moe_pair_mma"
         ce = dict(GROUP=128, GATED=gated, ROUTED=not gated, MAGIC=0x4300, PAIRED=True, BLOCK_N=64, BLOCK_M=16,
-                  PDL=False)
+                  PDL=False, HAS_PERM=False)
         return Preset(mod._moe_pair_mma_kernel, args, ce, ["N", "K", "stride_am", "stride_we", "stride_wc",
-                                                           "stride_se", "stride_s1", "stride_om"], ["stride_s2"], 4)
+                                                           "stride_se", "stride_s1", "stride_om"], ["stride_s2",
+                                                                                                   "stride_pe"], 4)
     if name == "moe_pair_fp8":
         from dsquant.runtime.kernels.moe import moe_pair_mma as mod
         args = _typed("a_ptr as_ptr w_ptr s_ptr out_ptr part_ptr counters_ptr topk_w_ptr ids_ptr",
