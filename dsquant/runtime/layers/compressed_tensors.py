@@ -23,6 +23,10 @@ class CTPackedInt4Method(LinearMethod):
     g_idx: bool = False  # actorder "group": weight_g_idx [K] int32, each input channel's group
     name = "ct_int4"
 
+    @property
+    def g_idx_name(self) -> str | None:
+        return "weight_g_idx" if self.g_idx else None
+
     def _groups(self, k: int) -> int:
         return 1 if self.group_size <= 0 else -(-k // self.group_size)
 

@@ -48,17 +48,11 @@ def _multiple(method) -> int:
     return _CONCAT[method.name][2]
 
 
-def _g_idx_name(method) -> str | None:
-    """The tensor holding each input channel's group (kept whole: the pair shares its input), if any."""
-    if method.name == "gptq":
-        return "g_idx"
-    return "weight_g_idx" if method.name == "ct_int4" and method.g_idx else None
-
-
 def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> QuantLinear | None:
     """A QuantLinear computing [first(x), second(x)] (loaded, not yet processed), or None when the
     pair cannot be fused (the reason is logged). Takes the two modules' checkpoint tensors."""
     fmt = first.method.name
+    g_idx = first.method.g_idx_name  # kept whole: the pair shares its input
     why = None
     if fmt != second.method.name:
         why = f"formats {fmt} / {second.method.name}"
@@ -74,8 +68,7 @@ def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> Quan
         why = "input sizes differ"
     elif first.out_features % _multiple(first.method):
         why = f"{first.prefix} has {first.out_features} outputs, not a multiple of {_multiple(first.method)}"
-    elif _g_idx_name(first.method) and not torch.equal(getattr(first, _g_idx_name(first.method)),
-                                                      getattr(second, _g_idx_name(first.method))):
+    elif g_idx and not torch.equal(getattr(first, g_idx), getattr(second, g_idx)):
         why = "g_idx differ"  # act-order: one channel order for both (GPTQ gives one input one order)
     names, dim, _ = _CONCAT.get(fmt, ((), 0, 1))
     if fmt == "ct_int4" and first.method.symmetric:
@@ -94,8 +87,8 @@ def concat_linears(first: QuantLinear, second: QuantLinear, prefix: str) -> Quan
         if a.dtype != b.dtype:
             b = b.to(a.dtype)
         fused._parameters[name] = torch.nn.Parameter(torch.cat([a, b], dim=dim), requires_grad=False)
-    if _g_idx_name(first.method):
-        fused._parameters[_g_idx_name(first.method)] = getattr(first, _g_idx_name(first.method))
+    if g_idx:
+        fused._parameters[g_idx] = getattr(first, g_idx)
     if fmt == "ct_int4":  # the original [N, K] of the packed weight
         shape = torch.tensor([fused.out_features, first.in_features], dtype=torch.int64)
         fused._parameters["weight_shape"] = torch.nn.Parameter(shape, requires_grad=False)

@@ -6,8 +6,8 @@ grouped layout (fused_moe.py: w13 = gate rows then up rows [E, 2I, H], w2 [E, H,
 per-expert tensors are dropped. Formats: bf16/fp16 experts as they are; INT4 experts of every
 source (AWQ gemm, GPTQ v1/v2, compressed-tensors pack-quantized: each method's `int4_codes`) through
 int4_experts, act-order GPTQ and compressed-tensors' actorder "group" with each expert's channel order
-(GroupedWeight.perm, which the kernels gather the activations through); W8A8 FP8 block experts (fp8_block, compressed-tensors block
-strategy: `fp8_block_tensors`) through fp8_experts. What the grouped GEMMs refuse (ValueError: group
+(GroupedWeight.perm, which the kernels gather the activations through); W8A8 FP8 block experts
+(fp8_block, compressed-tensors block strategy: `fp8_block_tensors`) through fp8_experts. What the grouped GEMMs refuse (ValueError: group
 sizes other than 32/64/128, off-grid shapes, gate and up with different act-order orders, FP8
 channel/tensor scales or weight-only FP8, whose activations the FP8 grouped GEMM would quantize) is
 dequantized once to the model dtype and runs as bf16 experts, with the reason logged.
@@ -43,9 +43,9 @@ FP8 = ("fp8_block", "ct_fp8")
 # scales' axes, compressed-tensors' weight_packed [N, K/8], weight_scale, weight_zero_point [N/8, G] theirs
 AXES = {"weight": (0, 1), "weight_scale_inv": (0, 1), "qweight": (1, 0), "qzeros": (1, 0), "scales": (1, 0),
         "weight_packed": (0, 1), "weight_scale": (0, 1), "weight_zero_point": (0, 1)}
-# tensors a stand-in does without: the packed shape (the codes carry it), a plain g_idx (checked below)
-G_IDX = ("g_idx", "weight_g_idx")  # GPTQ's, compressed-tensors' (actorder "group")
-DERIVED = ("weight_shape",) + G_IDX
+# tensors a stand-in does without: the packed shape (the codes carry it), a plain g_idx (the method's
+# g_idx_name, checked below)
+DERIVED = ("weight_shape",)
 
 
 def _num_groups(linear) -> int:
@@ -70,12 +70,13 @@ def _shared_as_experts(module, routed) -> list:
         for attr, t in getattr(shared, p)._parameters.items():
             if t is None:
                 continue
-            if attr in G_IDX and not is_plain_g_idx(t, _num_groups(getattr(shared, p))):
+            g_idx = attr == getattr(shared, p).method.g_idx_name
+            if g_idx and not is_plain_g_idx(t, _num_groups(getattr(shared, p))):
                 if n != 1:  # act-order: a cut along K would split its groups, which are not runs of K
                     return []
                 parts[0][p][attr] = t  # one stand-in, uncut: it keeps its channel order (int4_codes)
                 continue
-            if attr in DERIVED:
+            if g_idx or attr in DERIVED:
                 continue
             if attr not in AXES or getattr(ref, attr, None) is None:
                 return []

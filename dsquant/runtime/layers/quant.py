@@ -43,6 +43,7 @@ class LinearMethod:
     kernels = True  # False: the pure-torch path on every device (EngineConfig.kernels=False)
     group_size: int | None = None  # INT4 formats: input channels per scale group (-1: one over K)
     dynamic_activations = False  # W8A8 formats: x quantized per token and 128 channels too
+    g_idx_name: str | None = None  # INT4 formats: the tensor of each input channel's group, if stored
 
     def use_kernels(self, t: torch.Tensor) -> bool:
         return self.kernels and t.is_cuda
@@ -142,6 +143,7 @@ class GPTQMethod(LinearMethod):
     v2: bool = False
     source: str = "config.json"  # the file the config came from (named in errors)
     name = "gptq"
+    g_idx_name = "g_idx"
 
     def create_weights(self, layer, in_features, out_features):
         k, n = in_features, out_features

@@ -57,8 +57,8 @@ def int4_experts(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"zeros have shape {tuple(zeros.shape)}, expected {(e, k // group_size, n)}")
     if tuple(scales.shape) != (e, k // group_size, n):
         raise ValueError(f"scales have shape {tuple(scales.shape)}, expected {(e, k // group_size, n)}")
-    plain = torch.arange(k, device=codes.device)
-    if perm is not None and (tuple(perm.shape) != (e, k) or not torch.equal(perm.sort(dim=1).values, plain.expand(e, k))):
+    if perm is not None and (tuple(perm.shape) != (e, k) or not torch.equal(
+            perm.sort(dim=1).values, torch.arange(k, device=perm.device).expand(e, k))):
         raise ValueError(f"perm must hold a permutation of the {k} input channels for each of {e} experts, "
                          f"got shape {tuple(perm.shape)}")
     packed = torch.empty(e, n // 16, k // 128, 16, 16, dtype=torch.int32, device=codes.device)
