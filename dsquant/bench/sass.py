@@ -10,8 +10,7 @@ Presets: moe_gemv (moe_gemv._moe_gemv_kernel, gated, G 128), moe_gemv_down (rout
 moe_pair_mma, moe_pair_mma_down (moe_pair_mma._moe_pair_mma_kernel, likewise, BLOCK_N 64, 4 warps),
 moe_pair_fp8 (moe_pair_mma._moe_pair_fp8_kernel, gated),
 w4a16_gemv_sliced, w4a16_gemv_kblock, w4a16_mma (BLOCK_N 64, BLOCK_M 16, 2 warps), fp8_gemv (A_MODE 0),
-fp8_gemv_kblock, rms_norm, router_logits, mla_prepare, mla_merge_uv; with the L2 prefetch (l2_prefetch.py):
-moe_pair_mma_pf, moe_gemm_fp8_pf, moe_route_pf.
+fp8_gemv_kblock, rms_norm, router_logits, mla_prepare, mla_merge_uv.
 """
 from __future__ import annotations
 
@@ -45,9 +44,6 @@ def _ints(names: str) -> list:
     return [(a, "i32") for a in names.split()]
 
 
-_PF_ARGS = _typed("pf_w pf_s pf_z", "*i32 *bf16 *u8") + _ints("pf_wb pf_sb pf_zb")
-
-
 def preset(name: str) -> Preset:
     """The named kernel with its launch's signature (see the module docstring)."""
     if name in ("moe_gemv", "moe_gemv_down"):
@@ -61,40 +57,18 @@ def preset(name: str) -> Preset:
                   EARLY_IDS=False, HAS_PERM=False)
         return Preset(mod._moe_gemv_kernel, args, ce, ["N", "K", "stride_am", "stride_we", "stride_wc", "stride_se",
                                                        "stride_s1", "stride_om"], ["stride_s2", "stride_pe"], 1)
-    if name in ("moe_pair_mma", "moe_pair_mma_down", "moe_pair_mma_pf"):
+    if name in ("moe_pair_mma", "moe_pair_mma_down"):
         from dsquant.runtime.kernels.moe import moe_pair_mma as mod
         args = _typed("a_ptr w_ptr s_ptr z_ptr out_ptr part_ptr counters_ptr topk_w_ptr ids_ptr perm_ptr",
                       "*bf16 *i32 *bf16 *u8 *bf16 *fp32 *i32 *fp32 *i32 *i32")
         args += _ints("N K a_row_div stride_am stride_we stride_wc stride_se stride_s1 stride_s2 stride_om stride_pe "
                       "split_k")
-        gated = name != "moe_pair_mma_down"
+        gated = name == "moe_pair_mma"
         ce = dict(GROUP=128, GATED=gated, ROUTED=not gated, MAGIC=0x4300, PAIRED=True, BLOCK_N=64, BLOCK_M=16,
                   PDL=False, HAS_PERM=False)
-        if name == "moe_pair_mma_pf":  # the down weights' L2 prefetch (l2_prefetch.share_kwargs)
-            args += _PF_ARGS
-            ce.update(PF=True, PF_PIECES=2)
         return Preset(mod._moe_pair_mma_kernel, args, ce, ["N", "K", "stride_am", "stride_we", "stride_wc",
                                                            "stride_se", "stride_s1", "stride_om"], ["stride_s2",
                                                                                                    "stride_pe"], 4)
-    if name == "moe_gemm_fp8_pf":  # FP8 gate/up on one block per pair, quantizing a, with the L2 prefetch
-        from dsquant.runtime.kernels.moe import moe_gemm as mod
-        args = _typed("a_ptr a_scale_ptr w_ptr s_ptr z_ptr out_ptr topk_w_ptr sorted_ids_ptr expert_ids_ptr "
-                      "num_post_pad_ptr perm_ptr", "*bf16 *bf16 *fp8e4nv *fp32 *fp8e4nv *bf16 *bf16 *i32 *i32 *i32 *i32")
-        args += _ints("N K num_pairs a_row_div stride_am stride_asm stride_we stride_wn stride_se stride_s1 stride_s2 "
-                      "stride_om stride_pe") + _PF_ARGS
-        ce = dict(W_FORMAT=2, GROUP=1, GATED=True, ROUTED=False, FP8_UPCAST=False, MAGIC=0, PAIRED=True, BLOCK_M=16,
-                  BLOCK_N=64, BLOCK_K=128, PAIR_BLOCKS=True, A_QUANT=True, PDL=False, HAS_PERM=False, PF=True,
-                  PF_PIECES=2)
-        return Preset(mod._moe_gemm_kernel, args, ce, ["N", "K", "stride_am", "stride_we", "stride_wn", "stride_se",
-                                                       "stride_om"], ["stride_s2"], 4)
-    if name == "moe_route_pf":  # V2-Lite routing (64 experts, greedy softmax, 2 shared) with the L2 prefetch
-        from dsquant.runtime.kernels.moe import moe_route as mod
-        args = _typed("logits_ptr bias_ptr weights_ptr ids_ptr", "*fp32 *fp32 *fp32 *i32")
-        args += _ints("num_experts per_group n_group stride_logits stride_weights stride_ids") + [("scaling", "fp32")]
-        args += _PF_ARGS
-        ce = dict(TOP_K=6, N_SHARED=2, TOPK_GROUP=1, SIGMOID=False, METHOD=0, NORM=False, BLOCK_G=1, BLOCK_PER=64,
-                  BLOCK_K=8, BLOCK_S=2, PDL=False, PF_COUNT=8, PF_PIECES=4)
-        return Preset(mod._moe_route_kernel, args, ce, ["stride_logits"], [], 1)
     if name == "moe_pair_fp8":
         from dsquant.runtime.kernels.moe import moe_pair_mma as mod
         args = _typed("a_ptr as_ptr w_ptr s_ptr out_ptr part_ptr counters_ptr topk_w_ptr ids_ptr",
@@ -175,8 +149,8 @@ def compile_sm90(p: Preset, num_warps: int | None = None):
     names = [a for a, _ in p.args]
     signature = dict(p.args) | {a: "constexpr" for a in [*p.ones, *p.constexprs]}
     constexprs = {**p.constexprs, **{a: 1 for a in p.ones}}
-    # parameters the preset leaves out take their defaults, as a launch without them does (optional
-    # pointers default to None, which Triton specializes as a constexpr)
+    # parameters the preset leaves out take their defaults, as a launch without them does (an optional
+    # pointer defaults to None, which Triton specializes as a constexpr)
     for a, par in inspect.signature(p.kernel.fn).parameters.items():
         if a not in signature and par.default is not inspect.Parameter.empty:
             signature[a] = "constexpr"
@@ -229,8 +203,7 @@ def _opcode(text: str) -> str:
 
 def pdl_report(name: str, overrides: dict, workdir: Path) -> dict:
     """Where the PDL wait (ACQBULK) and release (PREEXIT) sit in the preset's SASS with PDL on:
-    {"before_wait": opcodes before the first wait, "waits", "releases", "prefetches" (UBLKPF, the L2
-    bulk prefetch): their indices,
+    {"before_wait": opcodes before the first wait, "waits", "releases": their indices,
     "off_has_pdl": whether the PDL-off build still emits either instruction}."""
     p = preset(name)
     p.constexprs.update(overrides, PDL=True)
@@ -239,7 +212,6 @@ def pdl_report(name: str, overrides: dict, workdir: Path) -> dict:
     p.constexprs["PDL"] = False
     plain = sass_of(compile_sm90(p), workdir, name + "_off")[0]
     return {"before_wait": ops[:waits[0]] if waits else ops, "waits": waits,
-            "prefetches": [i for i, t in enumerate(ops) if t.startswith("UBLKPF")],
             "releases": [i for i, t in enumerate(ops) if t == "PREEXIT"],
             "off_has_pdl": "ACQBULK" in plain or "PREEXIT" in plain}
 

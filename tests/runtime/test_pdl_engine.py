@@ -40,23 +40,3 @@ def test_pdl_decode_is_bitwise_unchanged(scheme, wide_moe, tmp_path, monkeypatch
         monkeypatch.setattr(pdl, "ENABLED", True)
         assert pdl.launch(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
         assert _decode(path, prompts) == off, (scheme, batch)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "awq", "fp8"])
-def test_l2_prefetch_decode_is_bitwise_unchanged(scheme, wide_moe, tmp_path, monkeypatch):
-    """The L2 prefetch of the next launch's experts (kernels/l2_prefetch.py) changes no value either:
-    CUDA-graph decode with it on equals decode with it off, bit for bit."""
-    from dsquant.runtime.kernels import l2_prefetch
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("cp.async.bulk.prefetch needs sm_90")
-    path = wide_moe if scheme == "bf16" else write_pair(wide_moe, tmp_path, scheme)[0]
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for batch in (1, 3):
-        prompts = random_prompts(batch, [9, 14, 3][:batch], seed=batch)
-        monkeypatch.setattr(l2_prefetch, "ENABLED", False)
-        off = _decode(path, prompts)
-        monkeypatch.setattr(l2_prefetch, "ENABLED", True)
-        assert l2_prefetch.available(torch.device("cuda"))
-        assert _decode(path, prompts) == off, (scheme, batch)

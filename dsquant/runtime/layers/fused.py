@@ -111,8 +111,7 @@ class TritonMoE(MoE):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, hidden]
         folded = self.backend.num_folded(self)  # shared experts run as experts E .. E + folded - 1
-        # [T, top_k + folded]; the route launch may bring the chosen experts' gate/up weights into L2
-        weights, ids = self.gate(flat, n_shared=folded, prefetch=self.backend.gate_up_weight(self))
+        weights, ids = self.gate(flat, n_shared=folded)  # [T, top_k + folded]
         shared = self.shared_experts(flat) if self.shared_experts is not None and not folded else None
         res = None if residual is None else residual.reshape(flat.shape)
         out = self.backend.experts(self, flat, ids, weights, shared_output=shared, residual=res, defer_sum=defer_sum)
@@ -144,10 +143,9 @@ class TritonRouter(Router):
             self.weight_fp32 = w.float()  # once
         return torch.nn.functional.linear(x.float(), self.weight_fp32 if w.dtype != torch.float32 else w)
 
-    def forward(self, x: torch.Tensor, n_shared: int = 0, prefetch=None):
+    def forward(self, x: torch.Tensor, n_shared: int = 0):
         """x [T, hidden] -> (topk_weights fp32 [T, k + n_shared], topk_ids [T, k + n_shared]): n_shared
-        appends experts E .. E + n_shared - 1 with weight 1 (shared experts folded into the experts);
-        prefetch: the experts' gate/up GroupedWeight for moe_route's L2 prefetch, or None."""
+        appends experts E .. E + n_shared - 1 with weight 1 (shared experts folded into the experts)."""
         if not runs_triton(x):
             out = super().forward(x)
             if not n_shared:
@@ -169,7 +167,7 @@ class TritonRouter(Router):
                                             self.e_score_correction_bias, n_shared=n_shared)  # one launch
         return moe_route(self.logits(x), c.top_k, c.scoring, c.topk_method, c.n_group, c.topk_group,
                          c.norm_topk_prob, c.routed_scaling_factor, self.e_score_correction_bias,
-                         n_shared=n_shared, prefetch=prefetch)  # int32 ids
+                         n_shared=n_shared)  # int32 ids
 
 
 class TritonGatedMLP(GatedMLP):

@@ -144,11 +144,6 @@ class FusedMoE:
     def num_folded(self, module) -> int:
         return self.folded.get(module, 0)
 
-    def gate_up_weight(self, module):
-        """module's stacked gate/up GroupedWeight (moe_route's L2 prefetch), or None before prepare."""
-        weights = self.weights.get(module)
-        return None if weights is None else weights.w13
-
     def prepare(self, decoder_layer) -> None:
         module = decoder_layer.mlp
         if not isinstance(module, MoE):

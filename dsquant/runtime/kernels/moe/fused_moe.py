@@ -190,7 +190,7 @@ def expert_outputs(hidden: torch.Tensor, weights: MoeWeights, topk_ids: torch.Te
                   and not upcast)
     a, a_scale = _fp8_act(hidden, fmt, fuse_quant)
     moe_gemm(a, weights.w13, align, act, cfg13, a_row_div=top_k, gated=True, a_scale=a_scale,
-             fp8_upcast=upcast, prefetch=weights.w2)
+             fp8_upcast=upcast)
     a, a_scale = _fp8_act(act, fmt, fuse_quant)
     moe_gemm(a, weights.w2, align, out, cfg2, a_row_div=1, gated=False, a_scale=a_scale, fp8_upcast=upcast)
     return out.view(t, top_k, h)
@@ -254,7 +254,7 @@ def _expert_gemvs(hidden, weights: MoeWeights, ids, act, out) -> None:
     if MOE_PAIR_MMA and hidden.dtype in (torch.bfloat16, torch.float16):  # fp32 (CPU kernel path): the GEMVs
         (bn13, w13, s13), (bn2, w2, s2) = PAIR_MMA_CONFIGS
         moe_pair_mma_int4(hidden, weights.w13, ids, act, a_row_div=top_k, gated=True, block_n=bn13,
-                          num_warps=w13, split_k=s13, prefetch=weights.w2)
+                          num_warps=w13, split_k=s13)
         if ids.numel() <= PAIR_MMA_DOWN_MAX_PAIRS:
             moe_pair_mma_int4(act, weights.w2, ids, out, a_row_div=1, gated=False, block_n=bn2, num_warps=w2,
                               split_k=s2)

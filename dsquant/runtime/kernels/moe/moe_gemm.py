@@ -35,8 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels import l2_prefetch, pdl
-from dsquant.runtime.kernels.l2_prefetch import prefetch_expert
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.gemm.fp8_quant import quant_group_fp8
 from dsquant.runtime.kernels.ops.activation import silu_mul_as_reference
 from dsquant.runtime.kernels.gemm.w4a16_mma import _MAGIC, paired_default
@@ -91,13 +90,11 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
                      ROUTED: tl.constexpr, FP8_UPCAST: tl.constexpr, MAGIC: tl.constexpr, PAIRED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PAIR_BLOCKS: tl.constexpr = False, A_QUANT: tl.constexpr = False, PDL: tl.constexpr = False,
-                     HAS_PERM: tl.constexpr = False, pf_w=None, pf_s=None, pf_z=None, pf_wb=0, pf_sb=0, pf_zb=0,
-                     PF: tl.constexpr = False, PF_PIECES: tl.constexpr = 1):
+                     HAS_PERM: tl.constexpr = False):
     """Grid (blocks, cdiv(N, BLOCK_N)); layouts in the module docstring. PAIR_BLOCKS: block pid_m is
     pair pid_m (sorted_ids_ptr, num_post_pad_ptr unused); A_QUANT: fp8 weights, a bf16/fp16
     quantized here per [BLOCK_M, 128] tile (a_scale_ptr unused); HAS_PERM: int4 act-order experts
-    (perm_ptr [E, K], row stride stride_pe). PF (PAIR_BLOCKS only): each program first asks L2 for its
-    share (one of the grid's n-blocks) of its pair's expert in pf_* (the down weights; l2_prefetch.py)."""
+    (perm_ptr [E, K], row stride stride_pe)."""
     pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -110,8 +107,6 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if expert < 0:  # PAIR_BLOCKS: a pair whose expert is on another rank (fused_moe's negative ids)
         return
-    if PF:
-        prefetch_expert(pf_w, pf_s, pf_z, pf_wb, pf_sb, pf_zb, expert, pid_n, tl.num_programs(1), PF_PIECES)
     row_mask = pair < num_pairs
     a_row = (pair // a_row_div).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -166,12 +161,10 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, s_ptr, z_ptr, out_ptr, topk_w_pt
 
 def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.Tensor,
              cfg: GemmConfig, a_row_div: int, gated: bool, topk_weights: torch.Tensor | None = None,
-             a_scale: torch.Tensor | None = None, fp8_upcast: bool = False,
-             prefetch: GroupedWeight | None = None) -> torch.Tensor:
+             a_scale: torch.Tensor | None = None, fp8_upcast: bool = False) -> torch.Tensor:
     """One grouped GEMM (see module docstring). out [T*top_k, N or N/2 when gated] is written.
     fp8 experts take a float8_e4m3fn a with a_scale, or a bf16/fp16 a (a_scale None) quantized in
-    the kernel (GPU only). prefetch: on one block per pair, the next launch's weights (the down
-    projection's), whose pairs' experts the programs bring into L2 (l2_prefetch.share_kwargs)."""
+    the kernel (GPU only)."""
     if cfg.block_m != align.block_m:
         raise ValueError(f"config block_m {cfg.block_m} differs from the alignment's {align.block_m}")
     n_out = w.n // 2 if gated else w.n
@@ -206,7 +199,5 @@ def moe_gemm(a: torch.Tensor, w: GroupedWeight, align: MoeAlignment, out: torch.
         ROUTED=topk_weights is not None, FP8_UPCAST=fp8_upcast, MAGIC=_MAGIC.get(a.dtype, 0),
         PAIRED=paired_default(), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PAIR_BLOCKS=pair_blocks, A_QUANT=a_quant,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **(l2_prefetch.share_kwargs(prefetch, align.num_pairs, out.device) if pair_blocks else {}),
-        **pdl.launch(out.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(out.device))
     return out

@@ -32,8 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels import l2_prefetch, pdl
-from dsquant.runtime.kernels.l2_prefetch import prefetch_expert
+from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.gemm.splitk import split_range
 from dsquant.runtime.kernels.gemm.w4a16_mma import _MAGIC, paired_default
 from dsquant.runtime.kernels.moe.moe_gemm import GroupedWeight, _load_weight_tile
@@ -61,15 +60,6 @@ def _pair_program(ids_ptr, a_row_div, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.cons
 
 
 @triton.jit
-def _prefetch_share(pf_w, pf_s, pf_z, pf_wb, pf_sb, pf_zb, expert, row_mask, PF_PIECES: tl.constexpr):
-    """The first split's programs ask for one share each (one of the grid's n-blocks) of their pair's
-    expert in pf_*; nothing for a pair of another rank (row_mask all off)."""
-    if tl.program_id(2) == 0:
-        e = tl.where(tl.max(row_mask.to(tl.int32), axis=0) > 0, expert, -1)
-        prefetch_expert(pf_w, pf_s, pf_z, pf_wb, pf_sb, pf_zb, e, tl.program_id(1), tl.num_programs(1), PF_PIECES)
-
-
-@triton.jit
 def _row0(acc, BLOCK_M: tl.constexpr):
     """acc [BN, BM] -> its column 0 [BN] (the pair's row of the transposed product)."""
     return tl.sum(tl.where(tl.arange(0, BLOCK_M)[None, :] == 0, acc, 0.0), axis=1)
@@ -80,16 +70,11 @@ def _moe_pair_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters
                          N, K, a_row_div, stride_am, stride_we, stride_wc, stride_se, stride_s1, stride_s2,
                          stride_om, stride_pe, split_k, GROUP: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr,
                          MAGIC: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_M: tl.constexpr, PDL: tl.constexpr = False, HAS_PERM: tl.constexpr = False,
-                         pf_w=None, pf_s=None, pf_z=None, pf_wb=0, pf_sb=0, pf_zb=0, PF: tl.constexpr = False,
-                         PF_PIECES: tl.constexpr = 1):
-    """Grid (P, cdiv(N, BLOCK_N), split_k); layouts in the module docstring. PF: each program first asks
-    L2 for its share of the pair's expert in pf_* (the down weights, during gate/up; l2_prefetch.py)."""
+                         BLOCK_M: tl.constexpr, PDL: tl.constexpr = False, HAS_PERM: tl.constexpr = False):
+    """Grid (P, cdiv(N, BLOCK_N), split_k); layouts in the module docstring."""
     pdl.enter(PDL)
     pair, pid_n, pid_k, expert, offs_n, n_mask, row_mask, a_row = _pair_program(ids_ptr, a_row_div, N, BLOCK_N,
                                                                                 BLOCK_M)
-    if PF:
-        _prefetch_share(pf_w, pf_s, pf_z, pf_wb, pf_sb, pf_zb, expert, row_mask, PF_PIECES)
     c_lo, c_hi = split_range(pid_k, K // 128, split_k)
     acc, acc_up = int4_mainloop(a_ptr, a_row, row_mask, stride_am, w_ptr, s_ptr, z_ptr, expert, offs_n, n_mask,
                                 N, c_lo, c_hi, stride_we, stride_wc, stride_se, stride_s1, stride_s2, perm_ptr,
@@ -106,13 +91,11 @@ def _moe_pair_mma_kernel(a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, counters
 def moe_pair_mma_int4(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor, out: torch.Tensor,
                       a_row_div: int, gated: bool, topk_weights: torch.Tensor | None = None,
                       block_n: int = 64, num_warps: int = 4, split_k: int | None = None,
-                      num_stages: int = 2, _paired: bool | None = None,
-                      prefetch: GroupedWeight | None = None) -> torch.Tensor:
+                      num_stages: int = 2, _paired: bool | None = None) -> torch.Tensor:
     """out [P, N or N/2 when gated] for the P = topk_ids.numel() pairs (module docstring); the same
     arguments as moe_gemv.moe_gemv_int4. split_k None: moe_gemv.default_split_k; counters come from
     (and stay zero in) w.splitk_counters. _paired: the one-lop3 paired dequantization (None: on a
-    GPU, not under TRITON_INTERPRET). prefetch: the next launch's weights (the down projection's),
-    whose pairs' experts the programs bring into L2 (l2_prefetch.share_kwargs)."""
+    GPU, not under TRITON_INTERPRET)."""
     pairs, n_out = check_pair_gemv("moe_pair_mma_int4", a, w, topk_ids, out, a_row_div, gated, "int4")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"moe_pair_mma_int4: block_n must be a power of two >= 16, got {block_n}")
@@ -131,7 +114,7 @@ def moe_pair_mma_int4(a: torch.Tensor, w: GroupedWeight, topk_ids: torch.Tensor,
                                ROUTED=topk_weights is not None,
                                MAGIC=_MAGIC[a.dtype], PAIRED=paired_default() if _paired is None else _paired,
                                BLOCK_N=block_n, BLOCK_M=BLOCK_M, num_warps=num_warps, num_stages=num_stages,
-                               **l2_prefetch.share_kwargs(prefetch, pairs, a.device), **pdl.launch(a.device))
+                               **pdl.launch(a.device))
     return out
 
 

@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels import l2_prefetch, pdl
-from dsquant.runtime.kernels.l2_prefetch import prefetch_expert
+from dsquant.runtime.kernels import pdl
 
 SCORING = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -41,7 +40,7 @@ def route_row(row_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, per_group, n
     """Route one token: its fp32 logits [E] at row_ptr -> weights_ptr [top_k + n_shared] fp32 and
     ids_ptr [same] int32 (the module docstring's rule). METHOD: 0 greedy, 1 group_limited_greedy,
     2 noaux_tc. FRESH_ROW: the row was just written by other programs of the launch (router_gemv's
-    fused kernel), so it is read through L2 (.cg). Returns the routed ids [BLOCK_K] (slots >= TOP_K 0)."""
+    fused kernel), so it is read through L2 (.cg)."""
     g = tl.arange(0, BLOCK_G)[:, None]  # [BLOCK_G, 1]
     j = tl.arange(0, BLOCK_PER)[None, :]  # [1, BLOCK_PER]
     expert = g * per_group + j  # [BLOCK_G, BLOCK_PER]
@@ -100,7 +99,6 @@ def route_row(row_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, per_group, n
         s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
         tl.store(weights_ptr + TOP_K + s, tl.full([BLOCK_S], 1.0, tl.float32), mask=s < N_SHARED)
         tl.store(ids_ptr + TOP_K + s, num_experts + s, mask=s < N_SHARED)
-    return top_id
 
 
 @triton.jit
@@ -110,24 +108,13 @@ def _moe_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, p
                       SIGMOID: tl.constexpr,
                       METHOD: tl.constexpr, NORM: tl.constexpr, BLOCK_G: tl.constexpr,
                       BLOCK_PER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                      PDL: tl.constexpr = False, pf_w=None, pf_s=None, pf_z=None, pf_wb=0, pf_sb=0, pf_zb=0,
-                      PF_COUNT: tl.constexpr = 0, PF_PIECES: tl.constexpr = 1):
-    """Grid (T,): token t's row of logits routed by route_row. PF_COUNT > 0: then the L2 prefetch of
-    the first PF_COUNT chosen experts' next-launch weights (l2_prefetch.ExpertPrefetch: pf_* pointers
-    and bytes per expert; the shared experts count after the routed ones)."""
+                      PDL: tl.constexpr = False):
+    """Grid (T,): token t's row of logits routed by route_row."""
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    top_id = route_row(logits_ptr + t * stride_logits, bias_ptr, weights_ptr + t * stride_weights,
-                       ids_ptr + t * stride_ids, num_experts, per_group, n_group, scaling, TOP_K, N_SHARED,
-                       TOPK_GROUP, SIGMOID, METHOD, NORM, BLOCK_G, BLOCK_PER, BLOCK_K, BLOCK_S)
-    if PF_COUNT > 0:
-        k = tl.arange(0, BLOCK_K)
-        for i in tl.static_range(PF_COUNT):
-            if i < TOP_K:
-                e = tl.sum(tl.where(k == i, top_id, 0), axis=0)
-            else:
-                e = num_experts + (i - TOP_K)
-            prefetch_expert(pf_w, pf_s, pf_z, pf_wb, pf_sb, pf_zb, e, 0, 1, PF_PIECES)
+    route_row(logits_ptr + t * stride_logits, bias_ptr, weights_ptr + t * stride_weights, ids_ptr + t * stride_ids,
+              num_experts, per_group, n_group, scaling, TOP_K, N_SHARED, TOPK_GROUP, SIGMOID, METHOD, NORM,
+              BLOCK_G, BLOCK_PER, BLOCK_K, BLOCK_S)
 
 
 def route_plan(num_experts: int, top_k: int, scoring: str = "softmax", topk_method: str = "greedy",
@@ -185,13 +172,11 @@ def route_outputs(t: int, cols: int, device, out: tuple[torch.Tensor, torch.Tens
 def moe_route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", topk_method: str = "greedy",
               n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = False,
               routed_scaling_factor: float = 1.0, e_score_correction_bias: torch.Tensor | None = None,
-              out: tuple[torch.Tensor, torch.Tensor] | None = None, n_shared: int = 0, prefetch=None):
+              out: tuple[torch.Tensor, torch.Tensor] | None = None, n_shared: int = 0):
     """logits fp32 [T, E] -> (topk_weights fp32 [T, top_k + n_shared], topk_ids int32 [T, same]).
 
     The arguments are models.routing.RoutingConfig's fields (see the module docstring); `out`
-    takes preallocated (weights, ids) to fill; n_shared appends ids E .. E + n_shared - 1, weight 1.
-    prefetch: the experts' gate/up GroupedWeight, whose chosen experts the launch brings into L2 for
-    the next one (l2_prefetch; where it is available and they fit its budget)."""
+    takes preallocated (weights, ids) to fill; n_shared appends ids E .. E + n_shared - 1, weight 1."""
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be fp32 [T, E], got {logits.dtype} {tuple(logits.shape)}")
     if logits.shape[1] and logits.stride(1) != 1:
@@ -201,11 +186,10 @@ def moe_route(logits: torch.Tensor, top_k: int, scoring: str = "softmax", topk_m
                                     routed_scaling_factor, e_score_correction_bias, n_shared)
     weights, ids = route_outputs(t, top_k + n_shared, logits.device, out)
     if t:
-        pf = l2_prefetch.route_kwargs(prefetch, t, top_k + n_shared, logits.device)
         _moe_route_kernel[(t,)](
             logits, logits if bias is None else bias, weights, ids, args["num_experts"], args["per_group"],
             args["n_group"], logits.stride(0), weights.stride(0), ids.stride(0), args["scaling"], **consts,
-            num_warps=route_warps(consts), **pf, **pdl.launch(logits.device))
+            num_warps=route_warps(consts), **pdl.launch(logits.device))
     return weights, ids
 
 
