@@ -35,8 +35,8 @@ def test_moe_gemv_projection_matches_dense(group, block_n, warps, device):
     check_close(out, pair_reference(a, dense, ids, 1, False, tw), 4e-3)
 
 
-@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128", "int4ao-g32"])
-@pytest.mark.parametrize("t,k", [(1, 6), (4, 4), (2, 3)])
+@pytest.mark.parametrize("fmt,t,k", [("int4-g32", 1, 6), ("int4-g64", 2, 3), ("int4-g128", 4, 4),
+                                     ("int4ao-g32", 1, 6), ("int4ao-g32", 4, 4)])
 def test_fused_moe_gemv_path_matches_reference_and_grouped(fmt, t, k, device, monkeypatch):
     """fused_moe at decode sizes (<= 16 pairs) on the per-pair GEMVs (MOE_PAIR_MMA off, as
     DSQUANT_MOE_PAIR_MMA=0 runs it) equals the float64 expert loop and the grouped-GEMM path."""

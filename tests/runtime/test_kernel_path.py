@@ -13,10 +13,14 @@ from conftest import build_hf, random_prompts
 from test_quantized_checkpoints import write_pair
 
 
-def tokens(path, kernels: bool, device: str = "cpu", dtype=torch.float32, engine_out=None, **kw):
+def engine(path, kernels: bool, device: str = "cpu", dtype=torch.float32, **kw) -> LLMEngine:
     cfg = dict(device=device, dtype=dtype, block_size=4, num_blocks=64, max_model_len=64,
                max_num_batched_tokens=16, kernels=kernels, enforce_eager=True)
-    eng = LLMEngine(path, EngineConfig(**{**cfg, **kw}))
+    return LLMEngine(path, EngineConfig(**{**cfg, **kw}))
+
+
+def tokens(path, kernels: bool, device: str = "cpu", dtype=torch.float32, engine_out=None, **kw):
+    eng = engine(path, kernels, device, dtype, **kw)
     ids = [eng.add_request(p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
            for p in random_prompts(3, [9, 14, 3], seed=1)]  # 26 tokens over a 16-token budget: chunks
     done = {}
@@ -45,14 +49,15 @@ def test_kernels_match_torch_path(family, tiny_models):
 
 @CPU_ONLY
 @pytest.mark.parametrize("scheme,fmt,folded", [
-    ("awq", "int4", 1), ("gptq-plain", "int4", 1), ("ct", "int4", 1), ("fp8", "fp8", 1), ("ct-fp8", "fp8", 1),
-    ("gptq", "int4", 1), ("ct-ao", "int4", 1)])
+    ("awq", "int4", 1), ("fp8", "fp8", 1), ("ct-fp8", "fp8", 1), ("gptq", "int4", 1), ("ct-ao", "int4", 1)])
 def test_fused_moe_over_quantized_experts(scheme, fmt, folded, wide_moe, tmp_path):
-    """Experts of every INT4 source (AWQ, GPTQ with or without act-order, compressed-tensors
-    pack-quantized, also with actorder "group") and W8A8 FP8 block source run on the quantized grouped
-    GEMMs, and shared experts
-    in the routed experts' format are folded into them; act-order GPTQ experts keep their channel
-    orders (GroupedWeight.perm), and so does a single act-order shared expert, folded uncut."""
+    """Experts of the INT4 sources (AWQ; GPTQ and compressed-tensors pack-quantized with their channel
+    orders, act-order and actorder "group") and the W8A8 FP8 block sources run on the quantized grouped
+    GEMMs through greedy generation, and shared experts in the routed experts' format are folded into
+    them; act-order experts keep their channel orders (GroupedWeight.perm), and so does a single act-order
+    shared expert, folded uncut. GPTQ without act-order and plain compressed-tensors INT4 reach the same
+    kernels through the same packing (int4_experts): test_folded_shared_experts_give_the_reference_moe_output
+    runs their MoE blocks, and test_quant_methods.py checks their codes bit for bit."""
     quant, _ = write_pair(wide_moe, tmp_path, scheme)
     eng = []
     assert tokens(quant, kernels=True, engine_out=eng) == tokens(quant, kernels=False)
@@ -112,14 +117,11 @@ def test_fp8_experts_off_the_128_grid_run_dequantized(tmp_path):
                                         ("ct", 1e-4), ("ct-ao", 1e-4), ("fp8", 3e-2), ("ct-fp8", 3e-2)])
 def test_folded_shared_experts_give_the_reference_moe_output(scheme, tol, wide_moe, tmp_path):
     """The MoE block with its shared expert folded into the grouped experts (kernel path) against
-    the reference block (expert loop + dense shared MLP) on the same weights and fresh inputs."""
+    the reference block (expert loop + dense shared MLP) on the same weights and fresh inputs. The
+    engines are only loaded (the experts are stacked and folded at load); test_fused_moe_over_quantized_experts
+    generates through them."""
     path = wide_moe if scheme is None else write_pair(wide_moe, tmp_path, scheme)[0]
-    mlps = []
-    for kernels in (True, False):
-        eng = []
-        tokens(path, kernels=kernels, engine_out=eng)
-        mlps.append(eng[0].model.model.layers[1].mlp)
-    fused, ref = mlps
+    fused, ref = (engine(path, kernels=kernels).model.model.layers[1].mlp for kernels in (True, False))
     assert fused.backend.num_folded(fused) == 1 and fused.shared_experts.gate_proj._parameters == {}
     x = torch.randn(1, 7, 128)
     with torch.inference_mode():
