@@ -96,6 +96,41 @@ def test_cuda_quantized_kernels_match_reference_dequant(scheme, family, tiny_mod
     assert tokens(quant, kernels=True, device="cuda", dtype=torch.bfloat16, enforce_eager=False) == ref
 
 
+def _greedy_with_top5(eng: LLMEngine) -> list:
+    """Each prompt's finished output: 8 greedy tokens with the top 5 logprobs of each step."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+    ids = [eng.add_request(p, params) for p in random_prompts(3, [9, 14, 3], seed=1)]
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["gptq", "ct-ao"])
+def test_cuda_act_order_experts_on_the_int4_kernels(scheme, wide_moe, tmp_path):
+    """Act-order INT4 experts (GPTQ's g_idx, compressed-tensors' weight_g_idx) on a DeepSeek-V2 whose experts
+    are 128 wide, so the pair MMA and the grouped GEMMs run them through their channel orders (not
+    dequantized, as the 64-wide experts of the tiny model are). bf16 kernels with CUDA graphs against the
+    dequantized torch path: greedy tokens equal up to the first difference, where each path's token is in
+    the other's top 5 (vLLM's check_logprobs_close; bf16 rounding alone can flip a near tie, as
+    test_cuda_quantized_kernels_match_reference_dequant found on the 64-wide model)."""
+    quant, _ = write_pair(wide_moe, tmp_path, scheme)
+    ref = _greedy_with_top5(engine(quant, kernels=False, device="cuda", dtype=torch.bfloat16))
+    eng = engine(quant, kernels=True, device="cuda", dtype=torch.bfloat16, enforce_eager=False)
+    ker = _greedy_with_top5(eng)
+    mlp = eng.model.model.layers[1].mlp
+    assert mlp.backend.weights[mlp].w13.format == "int4" and mlp.backend.weights[mlp].w13.perm is not None
+    assert kernel_fallbacks(eng.model) == []
+    for r, k in zip(ref, ker):
+        assert len(r.token_ids) == len(k.token_ids) == 8
+        for step, (a, b) in enumerate(zip(r.token_ids, k.token_ids)):
+            if a != b:
+                assert a in k.logprobs[step][1] and b in r.logprobs[step][1], (
+                    f"{scheme} step {step}: reference token {a} / kernel token {b} not in each other's top 5")
+                break
+
+
 @CPU_ONLY
 def test_fp8_experts_off_the_128_grid_run_dequantized(tmp_path):
     """FP8 experts with moe_intermediate_size 96 (not a multiple of 128, yet gate and up scales
