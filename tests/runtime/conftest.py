@@ -89,6 +89,27 @@ def random_prompts(n: int, lengths, seed: int = 0, vocab: int = VOCAB) -> list[l
     return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
 
+def finished_outputs(eng, prompts, params) -> list:
+    """Each prompt's finished RequestOutput after stepping the engine until every request is done."""
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+def assert_logprobs_close(ref: list, ker: list, max_tokens: int, what: str = "") -> None:
+    """vLLM's check_logprobs_close rule: greedy tokens equal up to the first difference, where each
+    path's token is among the other's top logprobs (outputs from finished_outputs, logprobs requested)."""
+    for r, k in zip(ref, ker):
+        assert len(r.token_ids) == len(k.token_ids) == max_tokens
+        for step, (a, b) in enumerate(zip(r.token_ids, k.token_ids)):
+            if a != b:
+                assert a in k.logprobs[step][1] and b in r.logprobs[step][1], (
+                    f"{what}step {step}: reference token {a} / kernel token {b} not in each other's top 5")
+                break
+
+
 class DictReader:
     """The slice of CheckpointReader that shard_linear reads."""
 

@@ -23,7 +23,7 @@ from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
 from dsquant.runtime.layers.linear import QuantLinear
 
-from conftest import build_hf, random_prompts
+from conftest import assert_logprobs_close, build_hf, finished_outputs, random_prompts
 from test_quantized_checkpoints import write_pair
 
 PROMPTS = random_prompts(3, [9, 14, 3], seed=1)
@@ -38,12 +38,9 @@ def _engine(path, kernels: bool, dtype, eager: bool = True) -> LLMEngine:
 
 
 def _run(eng: LLMEngine, params: SamplingParams) -> list:
-    ids = [eng.add_request(p, params) for p in PROMPTS]
-    done = {}
-    while eng.has_unfinished():
-        done.update({o.request_id: o for o in eng.step() if o.finished})
+    out = finished_outputs(eng, PROMPTS, params)
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-    return [done[i] for i in ids]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +108,4 @@ def test_cuda_fp8_tokens_pass_check_logprobs_close(fp8_artifact):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
     ref = _run(_engine(fp8_artifact, False, torch.bfloat16), params)
     ker = _run(_engine(fp8_artifact, True, torch.bfloat16, eager=False), params)
-    for r, k in zip(ref, ker):
-        assert len(r.token_ids) == len(k.token_ids) == 8
-        for step, (a, b) in enumerate(zip(r.token_ids, k.token_ids)):
-            if a != b:
-                assert a in k.logprobs[step][1] and b in r.logprobs[step][1], (
-                    f"step {step}: reference token {a} / kernel token {b} not in each other's top 5")
-                break
+    assert_logprobs_close(ref, ker, 8)

@@ -9,7 +9,7 @@ from dsquant.runtime.engine.llm_engine import EngineConfig, LLMEngine
 from dsquant.runtime.engine.sequence import SamplingParams
 from dsquant.runtime.fallbacks import kernel_fallbacks
 
-from conftest import build_hf, random_prompts
+from conftest import assert_logprobs_close, build_hf, finished_outputs, random_prompts
 from test_quantized_checkpoints import write_pair
 
 
@@ -99,11 +99,7 @@ def test_cuda_quantized_kernels_match_reference_dequant(scheme, family, tiny_mod
 def _greedy_with_top5(eng: LLMEngine) -> list:
     """Each prompt's finished output: 8 greedy tokens with the top 5 logprobs of each step."""
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
-    ids = [eng.add_request(p, params) for p in random_prompts(3, [9, 14, 3], seed=1)]
-    done = {}
-    while eng.has_unfinished():
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-    return [done[i] for i in ids]
+    return finished_outputs(eng, random_prompts(3, [9, 14, 3], seed=1), params)
 
 
 @pytest.mark.gpu
@@ -122,13 +118,7 @@ def test_cuda_act_order_experts_on_the_int4_kernels(scheme, wide_moe, tmp_path):
     mlp = eng.model.model.layers[1].mlp
     assert mlp.backend.weights[mlp].w13.format == "int4" and mlp.backend.weights[mlp].w13.perm is not None
     assert kernel_fallbacks(eng.model) == []
-    for r, k in zip(ref, ker):
-        assert len(r.token_ids) == len(k.token_ids) == 8
-        for step, (a, b) in enumerate(zip(r.token_ids, k.token_ids)):
-            if a != b:
-                assert a in k.logprobs[step][1] and b in r.logprobs[step][1], (
-                    f"{scheme} step {step}: reference token {a} / kernel token {b} not in each other's top 5")
-                break
+    assert_logprobs_close(ref, ker, 8, what=f"{scheme} ")
 
 
 @CPU_ONLY
