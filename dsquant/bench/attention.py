@@ -147,9 +147,10 @@ def _gqa_prefill(batch, hq, hkv, length, dim, block_size, sweep, gen, dev="cuda"
     from dsquant.runtime.kernels.attention.paged_prefill import PrefillConfig, paged_prefill_attention
 
     bf16 = torch.bfloat16 if dev == "cuda" else torch.float16
-    q = torch.randn(batch * length, hq, dim, device=dev, dtype=bf16)
-    k = torch.randn(batch, length, hkv, dim, device=dev, dtype=bf16)
-    v = torch.randn_like(k)
+    t = batch * length  # q, k, v as views of one fused projection output, as the runtime has them
+    qkv = torch.randn(t, (hq + 2 * hkv) * dim, device=dev, dtype=bf16)
+    q, k_new, v_new = (x.view(t, -1, dim) for x in qkv.split([hq * dim, hkv * dim, hkv * dim], dim=1))
+    k, v = k_new.view(batch, length, hkv, dim), v_new.view(batch, length, hkv, dim)
     k_cache, table = _paged_copy(k, block_size, gen)
     v_cache = torch.empty_like(k_cache)
     v_cache[table.long().flatten()] = v.reshape(-1, block_size, hkv, dim)
@@ -160,9 +161,9 @@ def _gqa_prefill(batch, hq, hkv, length, dim, block_size, sweep, gen, dev="cuda"
     scale = 1.0 / math.sqrt(dim)
     out = torch.empty_like(q)
 
-    def ours(config=PrefillConfig()):
+    def ours(config=None):  # None: the runtime's choice (the TMA kernel on Hopper, new keys from k_new / v_new)
         return paged_prefill_attention(q, k_cache, v_cache, table, lens, cu, scale, max_q_len=length, config=config,
-                                       out=out)
+                                       out=out, k_new=k_new, v_new=v_new)
 
     def peer():
         return F.scaled_dot_product_attention(q4, k4, v4, scale=scale, is_causal=True, enable_gqa=True)
@@ -174,7 +175,14 @@ def _gqa_prefill(batch, hq, hkv, length, dim, block_size, sweep, gen, dev="cuda"
         tried = _sweep(ours, [PrefillConfig(*c) for c in PREFILL_SWEEP])
     flops = 4 * batch * hq * dim * length * (length + 1) / 2
     return Row("gqa_prefill", f"B={batch} Hq={hq} Hkv={hkv} L={length} D={dim} bs={block_size}", g, e, pg, pe,
-               pg / g, flops / g / 1e6, "TFLOP/s", check, str(PrefillConfig()), *_best(tried))
+               pg / g, flops / g / 1e6, "TFLOP/s", check, _prefill_config(q, k_new, v_new, k_cache), *_best(tried))
+
+
+def _prefill_config(q, k_new, v_new, k_cache) -> str:
+    from dsquant.runtime.kernels.attention import prefill_tma
+    from dsquant.runtime.kernels.attention.paged_prefill import PrefillConfig
+
+    return str(prefill_tma.TMAPrefillConfig() if prefill_tma.supported(q, k_new, v_new, k_cache) else PrefillConfig())
 
 
 def _print(rows) -> None:

@@ -2,7 +2,8 @@
 as the torch backend (attention.py).
 
 GQA: store_kv, then paged_decode_attention when every sequence has one new token, else
-paged_prefill_attention (causal varlen with the cached prefix). MLA runs absorbed (design.md):
+paged_prefill_attention (causal varlen with the cached prefix; on Hopper with a model-dtype cache the new
+tokens' keys come from k / v through TMA, prefill_tma.py). MLA runs absorbed (design.md):
 W_UK is folded into the query, the latent cache serves as key and value for all heads, and W_UV
 is applied after attention. A prefill step whose FLOPs that favours (a long prompt's chunks) runs
 unabsorbed instead (mla_prefill.py: per-head keys and values expanded from the cache, then causal
@@ -70,7 +71,7 @@ class TritonPagedAttention(PagedAttentionBase):
         else:
             out = paged_prefill_attention(q[0], k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
                                           ctx.cu_seqlens_q, module.scaling, max_q_len=ctx.max_q_len,
-                                          k_scale=k_scale, v_scale=v_scale)
+                                          k_scale=k_scale, v_scale=v_scale, k_new=k[0], v_new=v[0])
         return out[None]  # [1, T, Hq, D]
 
     def mla(self, module, q_nope, q_pe, kv_latent, k_pe, ctx: PagedContext):

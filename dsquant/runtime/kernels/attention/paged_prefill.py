@@ -155,14 +155,26 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             scale: float, max_q_len: int | None = None, config: PrefillConfig | None = None,
                             out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                            v_new: torch.Tensor | None = None) -> torch.Tensor:
     """Causal varlen attention of q [Tq, Hq, D] over the paged caches -> out [Tq, Hq, D].
 
     max_q_len (host int) sizes the grid; when omitted it is read from cu_seqlens_q (a device sync).
     config: None picks PrefillConfig() for head_dim <= 128, else WIDE_HEAD_CONFIG.
     k_scale, v_scale: with FP8 caches (module docstring).
+    k_new, v_new [Tq, Hkv, D]: the new tokens' keys and values as stored; where prefill_tma.supported
+    takes them (a Hopper GPU, a model-dtype cache) and no config is given, the new keys are read from
+    them through TMA and only the cached prefix from the pages (prefill_tma.py).
     """
     _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q)
+    if k_new is not None and config is None and k_scale is None:
+        from dsquant.runtime.kernels.attention import prefill_tma
+
+        if prefill_tma.supported(q, k_new, v_new, k_cache):
+            if max_q_len is None:
+                max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
+            return prefill_tma.prefill_tma_attention(q, k_new, v_new, k_cache, v_cache, block_table, seq_lens,
+                                                     cu_seqlens_q, scale, max_q_len, out=out)
     fp8 = check_fp8_scales("paged prefill", k_cache, v_cache, k_scale, v_scale)
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unused unless fp8
     _, hq, dim = q.shape

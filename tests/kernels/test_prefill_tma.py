@@ -1,0 +1,86 @@
+"""The TMA prefill kernel (new tokens' K/V from the projections, the prefix from the pages) equals
+float32 masked attention over each sequence's paged keys.
+
+As test_paged_prefill.py: the new tokens are stored with store_kv first, so the reference reads
+everything from the cache, while the kernel reads the new keys from k_new / v_new. Plain prefill,
+chunked prefill and prefix hits with a context that ends mid-tile, outlier keys that move a
+row's maximum late (the lazy rescale's branch), one new token after a long
+context, query tiles that end mid-sequence (the next sequence's rows in the box), GQA groups 1/4/8.
+Outputs poisoned with NaN; the caches' unused slots hold random values, not zeros.
+"""
+import math
+
+import pytest
+import torch
+
+from dsquant.runtime.kernels.attention.kv_store import store_kv
+from dsquant.runtime.kernels.attention.prefill_tma import TMAPrefillConfig, prefill_tma_attention, supported
+from dsquant.runtime.kernels.attention.reference_attention import make_block_table, paged_prefill_reference, slots_for
+
+
+def _check(device, dtype, ctx_lens, q_lens, block_size, kv_heads, group, head_dim, config, atol, qkv_fused=False):
+    gen = torch.Generator().manual_seed(sum(ctx_lens) + block_size * group)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 2
+    table = make_block_table(seq_lens, block_size, num_blocks, gen)
+    positions = [(b, p) for b, (c, n) in enumerate(zip(ctx_lens, seq_lens)) for p in range(c, n)]
+    slots = slots_for(table, positions, block_size).to(device)
+    tq, hq = sum(q_lens), kv_heads * group
+    if qkv_fused:  # q, k, v as views of one projection output, as the runtime's fused qkv_proj gives them
+        qkv = torch.randn(tq, (hq + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+        q, key, value = qkv.split([hq * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+        q, key, value = (t.view(tq, -1, head_dim) for t in (q, key, value))
+    else:
+        q = torch.randn(tq, hq, head_dim, dtype=dtype, device=device)
+        key = torch.randn(tq, kv_heads, head_dim, dtype=dtype, device=device)
+        value = torch.randn_like(key)
+    key[5::7] *= 6.0  # outlier keys past the first tile: a row's maximum grows by more than LAZY_TAU
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)  # random prefix
+    v_cache = torch.randn_like(k_cache)
+    store_kv(key, value, k_cache, v_cache, slots)
+    table = table.to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    scale = 1.0 / math.sqrt(head_dim)
+    out = torch.full((tq, hq, head_dim), float("nan"), dtype=dtype, device=device)
+    prefill_tma_attention(q, key, value, k_cache, v_cache, table, lens, cu, scale, max(q_lens), config, out=out)
+    ref = paged_prefill_reference(q.contiguous(), k_cache, v_cache, table, cu, lens, scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
+    assert (out.float() - ref).norm() <= 1e-2 * ref.norm()
+
+
+@pytest.mark.parametrize("pipeline,lazy", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_tma_cpu(group, pipeline, lazy, device):
+    ctx_lens = [0, 0, 16, 37, 5]
+    q_lens = [1, 19, 32, 1, 27]  # 3rd: context ends on a tile boundary; 4th: one token, long context
+    config = TMAPrefillConfig(block_m=16, block_n=8, num_stages=1, num_warps=4, pipeline=pipeline,
+                              lazy_rescale=lazy)
+    _check(device, torch.float16, ctx_lens, q_lens, 16, 2, group, 32, config, atol=2e-3, qkv_fused=group == 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [TMAPrefillConfig(), TMAPrefillConfig(lazy_rescale=False),
+                                    TMAPrefillConfig(block_n=128, num_warps=8, num_stages=2),
+                                    TMAPrefillConfig(num_warps=8, num_stages=3, pipeline=True),
+                                    TMAPrefillConfig(block_m=256, num_warps=8, num_stages=3)])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_tma_gpu(group, config, device):
+    ctx_lens = [0, 0, 1024, 3000, 7]
+    q_lens = [1, 700, 256, 1, 1500]
+    kv_heads = 8 if group < 8 else 4
+    _check(device, torch.bfloat16, ctx_lens, q_lens, 16, kv_heads, group, 128, config, atol=2e-2,
+           qkv_fused=group == 4)
+
+
+@pytest.mark.gpu
+def test_prefill_tma_supported(device):
+    q = torch.randn(8, 4, 128, dtype=torch.bfloat16, device=device)
+    kv = torch.randn(8, 2, 128, dtype=torch.bfloat16, device=device)
+    cache = torch.randn(2, 16, 2, 128, dtype=torch.bfloat16, device=device)
+    assert supported(q, kv, kv, cache) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert not supported(q, kv[:, :, :64], kv[:, :, :64], cache)  # head dims differ
+    odd = torch.randn(8 * 257, dtype=torch.bfloat16, device=device).as_strided((8, 2, 128), (257, 128, 1))
+    assert not supported(q, odd, kv, cache)  # rows of 514 bytes: not 16-byte aligned for TMA
+    assert not supported(q, kv, kv, cache.to(torch.float8_e4m3fn))
