@@ -41,6 +41,7 @@ from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.attention.kv_fp8_layout import MLA_GROUP, fp8_rope_dtype, mla_fp8_token_bytes, mla_fp8_views
 from dsquant.runtime.kernels.attention.mla_decode_fp8 import MAX_GROUPS, mla_decode_fp8_kernel
 from dsquant.runtime.kernels.attention.mla_decode_fp8_prefetch import mla_decode_fp8_prefetch_kernel
+from dsquant.runtime.kernels.attention.online_softmax import rescale_lazily
 from dsquant.runtime.kernels.attention.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
 
 LOG2E = 1.4426950408889634
@@ -59,6 +60,9 @@ class MLADecodeConfig:
     fp8_f16_dots: bool = False  # FP8 cache: both dots in fp16, the tiles dequantized in fp16 (an experiment)
     fp8_prefetch: bool = False  # FP8 cache: mla_decode_fp8_prefetch.py's kernel (the next tile loaded ahead)
     min_split_tiles: int = 4  # a split covers at least this many BLOCK_N tiles (split_kv_merge.split_bounds)
+    # the dequantizing / bf16 kernel: rescale the [block_h, R] accumulator only when a head's maximum grows by
+    # more than online_softmax.LAZY_TAU; not yet timed on a GPU (thirtieth session), so off
+    lazy_rescale: bool = False
 
 
 @triton.jit
@@ -75,7 +79,7 @@ def _mla_decode_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LONG_MIN: tl.constexpr,
     KV_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, F16: tl.constexpr, MIN_TILES: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, LAZY: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     b = tl.program_id(0)
@@ -125,12 +129,18 @@ def _mla_decode_kernel(
         s = tl.dot(q_nope, tl.trans(latent))
         s = tl.dot(q_pe, tl.trans(k_pe), s) * scale_log2  # [BLOCK_H, BLOCK_N]
         s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        prob = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(latent.dtype), latent)
-        m_i = m_new
+        if LAZY:  # the [BLOCK_H, R] rescale only when a head's maximum grew by > LAZY_TAU (online_softmax.py)
+            acc, m_i, l_i = rescale_lazily(acc, m_i, l_i, tl.max(s, 1))
+            prob = tl.exp2(s - m_i[:, None])
+            l_i = l_i + tl.sum(prob, 1)
+            acc = tl.dot(prob.to(latent.dtype), latent, acc)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            prob = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(prob, 1)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(latent.dtype), latent)
+            m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if not IS_SPLIT:
@@ -266,6 +276,7 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
     fp8_args = {"F16_DOTS": config.fp8_f16_dots} if folded else {"KV_FP8": fp8, "F16": fp8 and config.fp8_f16_dots}
     if kernel is _mla_decode_kernel:
         fp8_args["MIN_TILES"] = config.min_split_tiles
+        fp8_args["LAZY"] = config.lazy_rescale
         fp8_args.update(pdl.launch(q_nope.device))  # the FP8-cache kernels are launched without PDL
     kernel[(batch, head_blocks, splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1),

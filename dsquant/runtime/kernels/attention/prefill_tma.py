@@ -31,15 +31,16 @@ import torch
 import triton
 import triton.language as tl
 
+from dsquant.runtime.kernels.attention.online_softmax import rescale_lazily
+
 LOG2E = 1.4426950408889634
-LAZY_TAU = tl.constexpr(8.0)  # log2 units: p <= 256 between rescales
 
 
 @dataclass(frozen=True)
 class TMAPrefillConfig:
     """Launch parameters; block_m a multiple of block_n; warp_specialize: tl.range's producer /
     consumer warp split of the new-key loop (Triton's automatic warp specialization); pipeline: the
-    next key tile's q k^T written before the current tile's softmax; lazy_rescale: see _softmax_step_fma.
+    next key tile's q k^T written before the current tile's softmax; lazy_rescale: online_softmax.rescale_lazily.
     The default was the fastest of 11 on an H200 and of 16 on an H100 at D 128 (scripts/prefill_tma_probe.py,
     2026-12-07): one warp group of 128 rows, two programs a multiprocessor."""
     block_m: int = 128
@@ -56,17 +57,10 @@ def _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2, LAZY: tl.constexpr):
     """Online-softmax update with the unscaled scores s [BLOCK_M, BLOCK_N] and values v [BLOCK_N, D]; the
     scale (log2 e included) is folded into the exponent's subtraction, one FMA an element.
 
-    LAZY: the rows' reference maximum moves only when some row's grows by more than LAZY_TAU (log2
-    units), so most tiles skip the [BLOCK_M, D] rescale of acc; p then reaches up to 2^LAZY_TAU,
-    which bf16 and the fp32 sums hold exactly as well (FlashAttention-4's conditional rescaling)."""
+    LAZY: online_softmax.rescale_lazily (most tiles skip the [BLOCK_M, D] rescale of acc)."""
     m_tile = tl.max(s, 1) * scale_log2
     if LAZY:
-        m_new = tl.maximum(m_i, m_tile)
-        if tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), 0) > LAZY_TAU:  # -inf - -inf kept out
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
+        acc, m_i, l_i = rescale_lazily(acc, m_i, l_i, m_tile)
         p = tl.exp2(s * scale_log2 - m_i[:, None])
         l_i = l_i + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc)
