@@ -11,32 +11,18 @@ import pytest
 import torch
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.attention.kv_store import store_kv
 from dsquant.runtime.kernels.attention.paged_prefill import PrefillConfig, paged_prefill_attention
-from dsquant.runtime.kernels.attention.reference_attention import make_block_table, paged_prefill_reference, slots_for
+from dsquant.runtime.kernels.attention.reference_attention import paged_prefill_reference
+from tests.kernels.prefill_cases import prefill_case
 
 
 def _check(device, dtype, ctx_lens, q_lens, block_size, kv_heads, group, head_dim, config, atol):
-    gen = torch.Generator().manual_seed(sum(ctx_lens) + block_size * group)
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 2
-    table = make_block_table(seq_lens, block_size, num_blocks, gen)
-    positions = [(b, p) for b, (c, n) in enumerate(zip(ctx_lens, seq_lens)) for p in range(c, n)]
-    slots = slots_for(table, positions, block_size).to(device)
-    tq = sum(q_lens)
-    q = torch.randn(tq, kv_heads * group, head_dim, dtype=dtype, device=device)
-    key = torch.randn(tq, kv_heads, head_dim, dtype=dtype, device=device)
-    value = torch.randn_like(key)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)  # random prefix
-    v_cache = torch.randn_like(k_cache)
-    store_kv(key, value, k_cache, v_cache, slots)
-    table = table.to(device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    c = prefill_case(device, dtype, ctx_lens, q_lens, block_size, kv_heads, group, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
-    out = torch.full_like(q, float("nan"))
-    paged_prefill_attention(q, k_cache, v_cache, table, lens, cu, scale, max_q_len=max(q_lens), config=config, out=out)
-    ref = paged_prefill_reference(q, k_cache, v_cache, table, cu, lens, scale)
+    out = torch.full_like(c.q, float("nan"))
+    paged_prefill_attention(c.q, c.k_cache, c.v_cache, c.table, c.lens, c.cu, scale, max_q_len=max(q_lens),
+                            config=config, out=out)
+    ref = paged_prefill_reference(c.q, c.k_cache, c.v_cache, c.table, c.cu, c.lens, scale)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
     assert (out.float() - ref).norm() <= 1e-2 * ref.norm()

@@ -13,38 +13,19 @@ import math
 import pytest
 import torch
 
-from dsquant.runtime.kernels.attention.kv_store import store_kv
 from dsquant.runtime.kernels.attention.prefill_tma import TMAPrefillConfig, prefill_tma_attention, supported
-from dsquant.runtime.kernels.attention.reference_attention import make_block_table, paged_prefill_reference, slots_for
+from dsquant.runtime.kernels.attention.reference_attention import paged_prefill_reference
+from tests.kernels.prefill_cases import prefill_case
 
 
 def _check(device, dtype, ctx_lens, q_lens, block_size, kv_heads, group, head_dim, config, atol, qkv_fused=False):
-    gen = torch.Generator().manual_seed(sum(ctx_lens) + block_size * group)
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 2
-    table = make_block_table(seq_lens, block_size, num_blocks, gen)
-    positions = [(b, p) for b, (c, n) in enumerate(zip(ctx_lens, seq_lens)) for p in range(c, n)]
-    slots = slots_for(table, positions, block_size).to(device)
-    tq, hq = sum(q_lens), kv_heads * group
-    if qkv_fused:  # q, k, v as views of one projection output, as the runtime's fused qkv_proj gives them
-        qkv = torch.randn(tq, (hq + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
-        q, key, value = qkv.split([hq * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
-        q, key, value = (t.view(tq, -1, head_dim) for t in (q, key, value))
-    else:
-        q = torch.randn(tq, hq, head_dim, dtype=dtype, device=device)
-        key = torch.randn(tq, kv_heads, head_dim, dtype=dtype, device=device)
-        value = torch.randn_like(key)
-    key[5::7] *= 6.0  # outlier keys past the first tile: a row's maximum grows by more than LAZY_TAU
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)  # random prefix
-    v_cache = torch.randn_like(k_cache)
-    store_kv(key, value, k_cache, v_cache, slots)
-    table = table.to(device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    c = prefill_case(device, dtype, ctx_lens, q_lens, block_size, kv_heads, group, head_dim, qkv_fused=qkv_fused,
+                     outliers=True)
     scale = 1.0 / math.sqrt(head_dim)
-    out = torch.full((tq, hq, head_dim), float("nan"), dtype=dtype, device=device)
-    prefill_tma_attention(q, key, value, k_cache, v_cache, table, lens, cu, scale, max(q_lens), config, out=out)
-    ref = paged_prefill_reference(q.contiguous(), k_cache, v_cache, table, cu, lens, scale)
+    out = torch.full((c.q.shape[0], kv_heads * group, head_dim), float("nan"), dtype=dtype, device=device)
+    prefill_tma_attention(c.q, c.key, c.value, c.k_cache, c.v_cache, c.table, c.lens, c.cu, scale, max(q_lens), config,
+                          out=out)
+    ref = paged_prefill_reference(c.q.contiguous(), c.k_cache, c.v_cache, c.table, c.cu, c.lens, scale)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
     assert (out.float() - ref).norm() <= 1e-2 * ref.norm()
