@@ -55,8 +55,9 @@ def test_mla_decode_cpu(block_size, heads, block_h, splits, device):
 def test_mla_decode_lazy_rescale_cpu(splits, device):
     """lazy_rescale (online_softmax.rescale_lazily): outlier latents past the first tiles move a head's
     maximum by more than LAZY_TAU, so both branches run; splits merge through the stale-reference lse.
-    Its error against float32 stays within twice the classic update's (p up to 256 is rounded to fp16
-    with the same relative error, but the dominant term is no longer exactly 1)."""
+    Its error against float32 stays within 1.1x the classic update's (4.6% above it here, 6-9% with l summed
+    over the unrounded p): l sums the rounded p the dot uses, so the weights stay a convex combination
+    although the dominant term is no longer exactly 1."""
     q_nope, q_pe, cache, table, lens = _inputs(device, torch.float16, [1, 70, 133], 16, 4, 64, 16, seed=7)
     cache.view(-1, cache.shape[-1])[5::7] *= 6.0  # every 7th slot: scores well past the running maximum
     scale = 1.0 / math.sqrt(64 // 4 + 16)
@@ -68,7 +69,7 @@ def test_mla_decode_lazy_rescale_cpu(splits, device):
         mla_decode_attention(q_nope, q_pe, cache, table, lens, scale, config=config, out=out)
         assert torch.isfinite(out).all()
         errors.append(float((out.float() - ref).norm() / ref.norm()))
-    assert errors[1] <= 2 * errors[0] + 1e-6, errors
+    assert errors[1] <= 1.1 * errors[0], errors
     assert errors[1] <= 2e-3, errors
 
 

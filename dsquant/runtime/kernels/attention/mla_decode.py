@@ -131,9 +131,9 @@ def _mla_decode_kernel(
         s = tl.where(nmask[None, :], s, float("-inf"))
         if LAZY:  # the [BLOCK_H, R] rescale only when a head's maximum grew by > LAZY_TAU (online_softmax.py)
             acc, m_i, l_i = rescale_lazily(acc, m_i, l_i, tl.max(s, 1))
-            prob = tl.exp2(s - m_i[:, None])
-            l_i = l_i + tl.sum(prob, 1)
-            acc = tl.dot(prob.to(latent.dtype), latent, acc)
+            prob = tl.exp2(s - m_i[:, None]).to(latent.dtype)  # rounded, and summed as the dot sums it
+            l_i = l_i + tl.sum(prob.to(tl.float32), 1)
+            acc = tl.dot(prob, latent, acc)
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
