@@ -81,3 +81,17 @@ def test_prefill_tma_supported(device):
     odd = torch.randn(8 * 257, dtype=torch.bfloat16, device=device).as_strided((8, 2, 128), (257, 128, 1))
     assert not supported(q, odd, kv, cache)  # rows of 514 bytes: not 16-byte aligned for TMA
     assert not supported(q, kv, kv, cache.to(torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("max_q_len,max_seq_len,takes_tma", [(4096, 4096, True), (8192, 16383, True),
+                                                             (8192, 16384, False), (1, 5000, False)])
+def test_runtime_sends_prefix_dominated_steps_to_the_paged_kernel(max_q_len, max_seq_len, takes_tma):
+    """attention_triton.new_keys_kwargs: the new keys go to the TMA kernel unless the cached context is at least
+    as long as the new tokens (there the paged kernel was faster: 8192 + 8192 at 0.87-0.96x)."""
+    from dsquant.runtime.layers.attention import PagedContext
+    from dsquant.runtime.layers.attention_triton import new_keys_kwargs
+
+    one = torch.zeros(1)
+    ctx = PagedContext(one, one, one, one, one, one, max_q_len=max_q_len, max_seq_len=max_seq_len)
+    kv = torch.zeros(2, 1, 16)
+    assert bool(new_keys_kwargs(ctx, kv, kv)) == takes_tma

@@ -2,8 +2,9 @@
 as the torch backend (attention.py).
 
 GQA: store_kv, then paged_decode_attention when every sequence has one new token, else
-paged_prefill_attention (causal varlen with the cached prefix; on Hopper with a model-dtype cache the new
-tokens' keys come from k / v through TMA, prefill_tma.py). MLA runs absorbed (design.md):
+paged_prefill_attention (causal varlen with the cached prefix; on Hopper with a model-dtype cache the
+new tokens' keys come from k / v through TMA, prefill_tma.py, unless the cached prefix dominates:
+new_keys_kwargs). MLA runs absorbed (design.md):
 W_UK is folded into the query, the latent cache serves as key and value for all heads, and W_UV
 is applied after attention. A prefill step whose FLOPs that favours (a long prompt's chunks) runs
 unabsorbed instead (mla_prefill.py: per-head keys and values expanded from the cache, then causal
@@ -25,6 +26,17 @@ import torch
 from dsquant.models.attention import MLAttention
 from dsquant.runtime.layers.attention import PagedAttentionBase, PagedContext
 from dsquant.runtime.layers.linear import QuantLinear
+
+
+def new_keys_kwargs(ctx: PagedContext, k_new: torch.Tensor, v_new: torch.Tensor) -> dict:
+    """paged_prefill_attention's k_new / v_new (the TMA kernel, prefill_tma.py, reads the new keys from them)
+    unless the step is prefix-dominated: when the longest sequence's cached context is at least as long as
+    the new tokens, the prefix, which that kernel reads through the pages with pointer loads, is most of
+    the work, and the paged kernel did it faster (8192 new after 8192 cached: 0.87x on an H200, 0.96x on an
+    H100; BENCHMARKS.md, thirtieth session)."""
+    if ctx.max_seq_len - ctx.max_q_len >= ctx.max_q_len:
+        return {}
+    return {"k_new": k_new, "v_new": v_new}
 
 
 EXPAND_MAX_BYTES = 2 << 30  # the unabsorbed prefill's per-layer k_nope + v (V2-Lite, 131072 keys: 1.07 GB)
@@ -71,7 +83,7 @@ class TritonPagedAttention(PagedAttentionBase):
         else:
             out = paged_prefill_attention(q[0], k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
                                           ctx.cu_seqlens_q, module.scaling, max_q_len=ctx.max_q_len,
-                                          k_scale=k_scale, v_scale=v_scale, k_new=k[0], v_new=v[0])
+                                          k_scale=k_scale, v_scale=v_scale, **new_keys_kwargs(ctx, k[0], v[0]))
         return out[None]  # [1, T, Hq, D]
 
     def mla(self, module, q_nope, q_pe, kv_latent, k_pe, ctx: PagedContext):
