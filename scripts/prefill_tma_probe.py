@@ -58,7 +58,7 @@ def configs(quick):
            (64, 64, 4, 3, False, True)]
     if quick:
         cfg = cfg[:2]
-    return [TMAPrefillConfig(bm, bn, w, s, False, pipe, lazy) for bm, bn, w, s, pipe, lazy in cfg]
+    return [TMAPrefillConfig(bm, bn, w, s, pipe, lazy) for bm, bn, w, s, pipe, lazy in cfg]
 
 
 def shape_rows(batch, ctx, new, quick, gen):

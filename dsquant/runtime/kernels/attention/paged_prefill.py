@@ -167,12 +167,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     them through TMA and only the cached prefix from the pages (prefill_tma.py).
     """
     _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q)
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
     if k_new is not None and config is None and k_scale is None:
         from dsquant.runtime.kernels.attention import prefill_tma
 
         if prefill_tma.supported(q, k_new, v_new, k_cache):
-            if max_q_len is None:
-                max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
             return prefill_tma.prefill_tma_attention(q, k_new, v_new, k_cache, v_cache, block_table, seq_lens,
                                                      cu_seqlens_q, scale, max_q_len, out=out)
     fp8 = check_fp8_scales("paged prefill", k_cache, v_cache, k_scale, v_scale)
@@ -180,8 +180,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _, hq, dim = q.shape
     if config is None:
         config = PrefillConfig() if dim <= 128 else WIDE_HEAD_CONFIG
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
     if out is None:
         out = torch.empty_like(q)
     batch = seq_lens.shape[0]

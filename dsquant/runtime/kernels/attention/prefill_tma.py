@@ -38,18 +38,17 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class TMAPrefillConfig:
-    """Launch parameters; block_m a multiple of block_n; warp_specialize: tl.range's producer /
-    consumer warp split of the new-key loop (Triton's automatic warp specialization); pipeline: the
-    next key tile's q k^T written before the current tile's softmax; lazy_rescale: online_softmax.rescale_lazily,
+    """Launch parameters; block_m a multiple of block_n; pipeline: the next key tile's q k^T written
+    before the current tile's softmax (won at 8 warps, lost at 4); lazy_rescale: online_softmax.rescale_lazily,
     with l summed over the bf16-rounded probabilities the dot uses (not yet timed in that form: lazy rescaling
     without it was 2% faster on an H200 and twice as far from SDPA's output, 0.002 against 0.001).
     The default tile was the fastest of 11 on an H200 and of 16 on an H100 at D 128 (scripts/prefill_tma_probe.py,
-    2026-12-07): one warp group of 128 rows, two programs a multiprocessor."""
+    2026-12-07): one warp group of 128 rows, two programs a multiprocessor. Triton 3.6's automatic warp
+    specialization (tl.range(warp_specialize=True)) changed nothing at 8 warps and did not compile at 4."""
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    warp_specialize: bool = False
     pipeline: bool = False
     lazy_rescale: bool = False
 
@@ -85,8 +84,7 @@ def _prefill_tma_kernel(
     out_ptr, stride_ot, stride_oh,  # out [Tq, Hq, D]
     scale_log2, num_m_blocks,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PIPELINE: tl.constexpr,
-    LAZY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr, LAZY: tl.constexpr,
 ):
     head = tl.program_id(0)
     b = tl.program_id(1)
@@ -133,7 +131,7 @@ def _prefill_tma_kernel(
                 v = v_desc.load([q_start + m0 - BLOCK_N, col])
                 acc, m_i, l_i = _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2, LAZY)
         else:
-            for j0 in tl.range(0, m0, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            for j0 in range(0, m0, BLOCK_N):
                 k = k_desc.load([q_start + j0, col])  # [BLOCK_N, D]
                 s = tl.dot(q, k.T)
                 v = v_desc.load([q_start + j0, col])
@@ -200,8 +198,7 @@ def prefill_tma_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
         out, out.stride(0), out.stride(1),
         scale * LOG2E, num_m,
         GROUP=hq // k_new.shape[1], D=dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, WARP_SPECIALIZE=config.warp_specialize,
-        PIPELINE=config.pipeline, LAZY=config.lazy_rescale,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PIPELINE=config.pipeline, LAZY=config.lazy_rescale,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
