@@ -19,6 +19,7 @@
 #               alignq (scripts/moe_align_probe.py: moe_align's one-hot, sort and torch methods),
 #               fp8dec (scripts/fp8_decode_probe.py: FP8 decode GEMV forms, L2-cold), attention,
 #               kvfp8 (FP8-KV-cache decode rows), kvsweep (their launch configs: scripts/kvfp8_sweep.py),
+#               kvwords (the words kernels, paged_decode_fp8.py / mla_decode_fp8_words.py: scripts/kv_words_probe.py),
 #               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), mlashort (short contexts:
 #               how finely to split, scripts/mla_short_sweep.py), prefill (GQA prefill
 #               configs against SDPA: scripts/prefill_sweep.py), prefilltma (the TMA prefill kernel's configs against the paged
@@ -58,7 +59,9 @@ swap() {  # swap the dsquant files under .old/ with the tree's
   for f in $(cd .old && find dsquant -name '*.py'); do
     cp "$f" "/tmp/swap.$$" && cp ".old/$f" "$f" && cp "/tmp/swap.$$" ".old/$f"
   done
+  SWAPPED=$(( 1 - ${SWAPPED:-0} ))  # steps that run on both sides name their output with $(sfx)
 }
+sfx() { [ "${SWAPPED:-0}" = 1 ] && echo -swapped; }
 v2lite8_checkpoint() {
   [ -d "$W/v2lite8" ] || python3 -c "
 import time
@@ -135,7 +138,9 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
             > "$OUT/mlashort.txt" 2>&1 ;;
     mlalong) timeout "${MLALONG_S:-200}" python3 scripts/mla_long_sweep.py "$OUT/mlalong.json" --budget-s "${MLALONG_BUDGET:-150}" \
         > "$OUT/mlalong.txt" 2>&1 ;;
-    prefill) timeout "${PREFILL_S:-200}" python3 scripts/prefill_sweep.py "$OUT/prefill.json" > "$OUT/prefill.txt" 2>&1 ;;
+    prefill) timeout "${PREFILL_S:-200}" python3 scripts/prefill_sweep.py "$OUT/prefill$(sfx).json" > "$OUT/prefill$(sfx).txt" 2>&1 ;;
+    kvwords) timeout "${KVW_S:-360}" python3 scripts/kv_words_probe.py "$OUT/kvwords.json" --budget-s "${KVW_BUDGET:-320}" \
+            ${KVW_ARGS:-} > "$OUT/kvwords.txt" 2>&1 ;;  # FP8-KV decode: the words kernels' configs against both caches' defaults
     mlalazy) timeout "${MLALAZY_S:-300}" python3 scripts/mla_lazy_probe.py "$OUT/mla-lazy.json" > "$OUT/mla-lazy.txt" 2>&1 ;;
     prefilltma) timeout "${PREFILL_S:-400}" python3 scripts/prefill_tma_probe.py "$OUT/prefill-tma.json" ${PROBE_ARGS:-} > "$OUT/prefill-tma.txt" 2>&1 ;;
     probe) timeout 120 python3 scripts/fp8_cublas_probe.py "$OUT/fp8-cublas-probe.json" > "$OUT/probe.txt" 2>&1 ;;

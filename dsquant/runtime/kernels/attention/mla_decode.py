@@ -40,7 +40,9 @@ from dsquant.errors import DsquantError
 from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.attention.kv_fp8_layout import MLA_GROUP, fp8_rope_dtype, mla_fp8_token_bytes, mla_fp8_views
 from dsquant.runtime.kernels.attention.mla_decode_fp8 import MAX_GROUPS, mla_decode_fp8_kernel
+from dsquant.runtime.kernels.attention.fp8_words import words_asm_default
 from dsquant.runtime.kernels.attention.mla_decode_fp8_prefetch import mla_decode_fp8_prefetch_kernel
+from dsquant.runtime.kernels.attention.mla_decode_fp8_words import mla_decode_fp8_words_kernel
 from dsquant.runtime.kernels.attention.online_softmax import rescale_lazily
 from dsquant.runtime.kernels.attention.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
 
@@ -59,6 +61,8 @@ class MLADecodeConfig:
     # tiles; off: on the H200 it ran 5-16% slower (BENCHMARKS.md, FP8 KV cache)
     fp8_f16_dots: bool = False  # FP8 cache: both dots in fp16, the tiles dequantized in fp16 (an experiment)
     fp8_prefetch: bool = False  # FP8 cache: mla_decode_fp8_prefetch.py's kernel (the next tile loaded ahead)
+    fp8_words: bool = False  # FP8 cache: mla_decode_fp8_words.py's kernel (R <= 512: codes read as int32 words,
+    # scales folded, fp16 dots); takes precedence over the two above
     min_split_tiles: int = 4  # a split covers at least this many BLOCK_N tiles (split_kv_merge.split_bounds)
     # the dequantizing / bf16 kernel: rescale the [block_h, R] accumulator only when a head's maximum grows by
     # more than online_softmax.LAZY_TAU; not yet timed on a GPU (thirtieth session), so off
@@ -274,6 +278,9 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
     if fp8 and not folded and config.fp8_prefetch:
         kernel = mla_decode_fp8_prefetch_kernel
     fp8_args = {"F16_DOTS": config.fp8_f16_dots} if folded else {"KV_FP8": fp8, "F16": fp8 and config.fp8_f16_dots}
+    if fp8 and config.fp8_words and scales.shape[-1] <= MAX_GROUPS:
+        kernel = mla_decode_fp8_words_kernel
+        fp8_args = {"MIN_TILES": config.min_split_tiles, "ASM": words_asm_default()}
     if kernel is _mla_decode_kernel:
         fp8_args["MIN_TILES"] = config.min_split_tiles
         fp8_args["LAZY"] = config.lazy_rescale

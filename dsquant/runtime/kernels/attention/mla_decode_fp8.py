@@ -112,17 +112,17 @@ def mla_decode_fp8_kernel(
     inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if not IS_SPLIT:
         dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + c[None, :]
-        _store_groups(dst, acc0, acc1, acc2, acc3, inv, hmask[:, None], out_ptr.dtype.element_ty, GROUPS, GROUP)
+        store_groups(dst, acc0, acc1, acc2, acc3, inv, hmask[:, None], out_ptr.dtype.element_ty, GROUPS, GROUP)
     else:
         row_id = (b * num_heads + heads) * num_splits + split  # [BLOCK_H]
         dst = part_out_ptr + row_id[:, None] * RANK + c[None, :]
-        _store_groups(dst, acc0, acc1, acc2, acc3, inv, hmask[:, None] & (end > start), tl.float32, GROUPS, GROUP)
+        store_groups(dst, acc0, acc1, acc2, acc3, inv, hmask[:, None] & (end > start), tl.float32, GROUPS, GROUP)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(part_lse_ptr + row_id, lse, mask=hmask)
 
 
 @triton.jit
-def _store_groups(dst, acc0, acc1, acc2, acc3, inv, mask, ty: tl.constexpr, GROUPS: tl.constexpr,
+def store_groups(dst, acc0, acc1, acc2, acc3, inv, mask, ty: tl.constexpr, GROUPS: tl.constexpr,
                   GROUP: tl.constexpr):
     tl.store(dst, (acc0 * inv).to(ty), mask=mask)
     if GROUPS > 1:

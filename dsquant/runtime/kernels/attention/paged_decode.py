@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
+from dsquant.runtime.kernels.attention.fp8_words import words_asm_default
+from dsquant.runtime.kernels.attention.paged_decode_fp8 import paged_decode_fp8_words_kernel
 from dsquant.runtime.kernels.attention.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
 
 LOG2E = 1.4426950408889634
@@ -44,6 +46,8 @@ class DecodeConfig:
     num_splits: int = 0
     fp8_f16: bool = False  # FP8 cache: both dots in fp16 (q rounded to fp16 once; e4m3 -> fp16 is one
     # instruction per pair, -> bf16 goes through fp32)
+    fp8_words: bool = False  # FP8 cache: paged_decode_fp8.py's kernel (tiles read as int32 words, fp16 dots
+    # with the query and value scales normalized by powers of two); needs D % 4 == 0 and 4-byte-aligned rows
 
 
 @triton.jit
@@ -172,7 +176,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_lse = torch.empty(batch, hq, splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused
-    _paged_decode_gqa_kernel[(batch, hkv, splits)](
+    kernel, variant = _paged_decode_gqa_kernel, dict(KV_FP8=fp8, F16=fp8 and config.fp8_f16)
+    if fp8 and config.fp8_words and words_fit(k_cache, v_cache):
+        kernel, variant = paged_decode_fp8_words_kernel, dict(ASM=words_asm_default())
+    kernel[(batch, hkv, splits)](
         query, query.stride(0), query.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ks, vs, ks.stride(0), ks.stride(1),
@@ -181,13 +188,19 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_out, part_lse,
         scale * LOG2E, splits, hq,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, IS_SPLIT=splits > 1, KV_FP8=fp8,
-        F16=fp8 and config.fp8_f16,
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, IS_SPLIT=splits > 1, **variant,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         merge_splits(part_out, part_lse, out)
     return out
+
+
+def words_fit(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the e4m3 caches can be read as int32 words (paged_decode_fp8.py): D and the strides multiples of
+    4 bytes, 4-byte-aligned bases."""
+    return all(s % 4 == 0 for s in k_cache.stride()[:3]) and k_cache.shape[3] % 4 == 0 and \
+        k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0
 
 
 def default_scale(head_dim: int) -> float:
