@@ -77,6 +77,10 @@ def _mla_configs(heads):
         grid = itertools.product((32, 64), (16, 32), (8,), (1, 2))
     for bh, bn, w, st in grid:
         rows.append(("fp8", MLADecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, fp8_words=True)))
+    lazy = ((0, 16, 4, 2), (0, 32, 4, 2)) if heads <= 16 else ((64, 16, 8, 1), (64, 16, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2))
+    for bh, bn, w, st in lazy:  # the rescale only in tiles that need it (MLADecodeConfig.lazy_rescale)
+        rows.append(("fp8", MLADecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, fp8_words=True,
+                                            lazy_rescale=True)))
     return rows
 
 

@@ -90,10 +90,12 @@ def test_words_fit_and_fallback(device):
 # one, two and four scale groups (R 1024 keeps the dequantizing kernel); a partial head tile; split-KV merge
 @pytest.mark.parametrize("rank", [128, 256, 512, 1024])
 @pytest.mark.parametrize("heads,splits", [(4, 1), (20, 3)])
-def test_mla_words_decode_cpu(rank, heads, splits, device):
+@pytest.mark.parametrize("lazy", [False, True])  # MLADecodeConfig.lazy_rescale: rescale only when needed
+def test_mla_words_decode_cpu(rank, heads, splits, lazy, device):
     from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig
 
-    config = MLADecodeConfig(block_h=16, block_n=16, num_stages=1, num_splits=splits, fp8_words=True)
+    config = MLADecodeConfig(block_h=16, block_n=16, num_stages=1, num_splits=splits, fp8_words=True,
+                             lazy_rescale=lazy)
     _check_mla(device, torch.float16, [1, 32, 16 * 3 + 5], 16, heads, rank, 16, config)
 
 
@@ -118,7 +120,9 @@ def test_mla_words_decode_gpu(heads, device):
 
     lens = [1, 64, 1000, 4096 + 7]
     for block_n in (16, 32, 64):
-        _check_mla(device, torch.bfloat16, lens, 64, heads, 512, 64, MLADecodeConfig(block_n=block_n, fp8_words=True))
+        for lazy in (False, True):
+            _check_mla(device, torch.bfloat16, lens, 64, heads, 512, 64,
+                       MLADecodeConfig(block_n=block_n, fp8_words=True, lazy_rescale=lazy))
 
 
 @pytest.mark.gpu

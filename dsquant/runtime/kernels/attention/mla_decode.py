@@ -64,8 +64,8 @@ class MLADecodeConfig:
     fp8_words: bool = False  # FP8 cache: mla_decode_fp8_words.py's kernel (R <= 512: codes read as int32 words,
     # scales folded, fp16 dots); takes precedence over the two above
     min_split_tiles: int = 4  # a split covers at least this many BLOCK_N tiles (split_kv_merge.split_bounds)
-    # the dequantizing / bf16 kernel: rescale the [block_h, R] accumulator only when a head's maximum grows by
-    # more than online_softmax.LAZY_TAU; not yet timed on a GPU (thirtieth session), so off
+    # the dequantizing / bf16 and the words kernels: rescale the [block_h, R] accumulator only when a head's maximum
+    # grows by more than online_softmax.LAZY_TAU; not yet timed on a GPU (thirtieth session), so off
     lazy_rescale: bool = False
 
 
@@ -280,7 +280,7 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
     fp8_args = {"F16_DOTS": config.fp8_f16_dots} if folded else {"KV_FP8": fp8, "F16": fp8 and config.fp8_f16_dots}
     if fp8 and config.fp8_words and scales.shape[-1] <= MAX_GROUPS:
         kernel = mla_decode_fp8_words_kernel
-        fp8_args = {"MIN_TILES": config.min_split_tiles, "ASM": words_asm_default()}
+        fp8_args = {"MIN_TILES": config.min_split_tiles, "ASM": words_asm_default(), "LAZY": config.lazy_rescale}
     if kernel is _mla_decode_kernel:
         fp8_args["MIN_TILES"] = config.min_split_tiles
         fp8_args["LAZY"] = config.lazy_rescale

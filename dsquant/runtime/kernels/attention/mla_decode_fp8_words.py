@@ -18,6 +18,8 @@ with the reads and the precision of paged_decode_fp8.py:
   rope dot stays in q_pe's dtype;
 - p * scale goes to fp16 times a per-head power of two from its running maximum (the largest in [1, 2)),
   divided out at the end, so tiny scales on dominant tokens keep their bits.
+LAZY (MLADecodeConfig.lazy_rescale): the G accumulators are rescaled only in tiles where some head's maximum
+grew by more than LAZY_TAU or its largest product would pass 2^14, as online_softmax.rescale_lazily does.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import triton.language as tl
 
 from dsquant.runtime.kernels.attention.fp8_words import e4m3_tile_f16, pow2_normalizer
 from dsquant.runtime.kernels.attention.mla_decode_fp8 import store_groups
+from dsquant.runtime.kernels.attention.online_softmax import LAZY_TAU
 from dsquant.runtime.kernels.attention.split_kv_merge import split_bounds
 
 
@@ -36,6 +39,18 @@ def _codes(lat_ptr, row, nmask, sc_ptr, s_row, G: tl.constexpr, GROUP: tl.conste
     """Group G of the tile: (codes fp16 [BLOCK_N, GROUP], scales fp32 [BLOCK_N])."""
     code = e4m3_tile_f16(lat_ptr + G * GROUP, row, nmask, GROUP, BLOCK_N, GROUP, ASM)
     return code, tl.load(sc_ptr + s_row + G, mask=nmask, other=0.0)
+
+
+@triton.jit
+def _rescale(acc0, acc1, acc2, acc3, ratio, GROUPS: tl.constexpr):
+    r = ratio[:, None]
+    acc0 = acc0 * r
+    if GROUPS > 1:
+        acc1 = acc1 * r
+    if GROUPS > 2:
+        acc2 = acc2 * r
+        acc3 = acc3 * r
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -52,6 +67,7 @@ def mla_decode_fp8_words_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LONG_MIN: tl.constexpr,
     GROUPS: tl.constexpr, GROUP: tl.constexpr, MIN_TILES: tl.constexpr, ASM: tl.constexpr,
+    LAZY: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -116,19 +132,29 @@ def mla_decode_fp8_words_kernel(
         s = tl.dot(q_pe, tl.trans(k_pe)) + s_nope * q_inv[:, None]  # [BLOCK_H, BLOCK_N] fp32
         s = tl.where(nmask[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
+        if LAZY:  # move m_i only when a head's maximum grew by > LAZY_TAU (online_softmax.py): p <= 2^8
+            grow = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), 0) > LAZY_TAU
+            m_new = tl.where(grow, m_new, m_i)
+        alpha = tl.exp2(m_i - m_new)  # 1 where m_i stayed; 0 on the first tile (m_i -inf)
         prob = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
         l_i = l_i * alpha + tl.sum(prob, 1)
         pv_max = tl.maximum(pv_max * alpha, tl.max(prob * sc_max[None, :], 1))
         pv_mul_new = pow2_normalizer(pv_max, 0)  # [BLOCK_H]
-        rescale = (alpha * (pv_mul_new / pv_mul))[:, None]
+        if LAZY:  # keep the power while m_i stays and the largest product stays under 2^14 (fp16 holds 65504)
+            pv_mul_new = tl.where(grow | (tl.max(pv_max * pv_mul, 0) >= 16384.0), pv_mul_new, pv_mul)
+        ratio = alpha * (pv_mul_new / pv_mul)  # [BLOCK_H]: 1 for every head when nothing moved
+        if LAZY:
+            if tl.max(tl.abs(ratio - 1.0), 0) > 0.0:  # the [BLOCK_H, R] rescale only in tiles that need it
+                acc0, acc1, acc2, acc3 = _rescale(acc0, acc1, acc2, acc3, ratio, GROUPS)
+        else:
+            acc0, acc1, acc2, acc3 = _rescale(acc0, acc1, acc2, acc3, ratio, GROUPS)
         prob = prob * pv_mul_new[:, None]
-        acc0 = acc0 * rescale + tl.dot((prob * sc0[None, :]).to(tl.float16), code0)
+        acc0 = tl.dot((prob * sc0[None, :]).to(tl.float16), code0, acc0)
         if GROUPS > 1:
-            acc1 = acc1 * rescale + tl.dot((prob * sc1[None, :]).to(tl.float16), code1)
+            acc1 = tl.dot((prob * sc1[None, :]).to(tl.float16), code1, acc1)
         if GROUPS > 2:
-            acc2 = acc2 * rescale + tl.dot((prob * sc2[None, :]).to(tl.float16), code2)
-            acc3 = acc3 * rescale + tl.dot((prob * sc3[None, :]).to(tl.float16), code3)
+            acc2 = tl.dot((prob * sc2[None, :]).to(tl.float16), code2, acc2)
+            acc3 = tl.dot((prob * sc3[None, :]).to(tl.float16), code3, acc3)
         m_i = m_new
         pv_mul = pv_mul_new
 
