@@ -4,8 +4,9 @@ same kernels over the bf16 cache holding the same values (issue 23: decode at 32
 Rows: GQA decode (D 128) and MLA decode (16 and 128 heads, latent 512 + rope 64, FlashMLA's 656-byte
 token) at L 4096 and 32768. `x peer` is the bf16 cache's time over the FP8 cache's (CUDA-graph
 medians), `achieved` the FP8 cache's bytes read per second, `check` the relative difference of the
-two outputs (the FP8 rounding: a few 1e-2). MLA rows come in threes: the tile-dequantizing kernel (what runs),
-the one that folds the scales into the dots (mla_decode_fp8.py) and the latter with fp16 dots.
+two outputs (the FP8 rounding: a few 1e-2). MLA rows: what runs (mla_decode.default_config), then the
+tile-dequantizing kernel, the one that folds the scales into the dots (mla_decode_fp8.py) and the words kernel
+(mla_decode_fp8_words.py), each at MLADecodeConfig's defaults.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _gqa(shape, block_size, gen, dev="cuda") -> Row:
     import torch
 
     from dsquant.runtime.kernels.attention.kv_fp8_layout import quantize_fp8
-    from dsquant.runtime.kernels.attention.paged_decode import DecodeConfig, paged_decode_attention
+    from dsquant.runtime.kernels.attention.paged_decode import FP8_CONFIG, paged_decode_attention
 
     batch, hq, hkv, length, dim = shape
     q = torch.randn(batch, hq, dim, device=dev, dtype=torch.bfloat16)
@@ -44,7 +45,7 @@ def _gqa(shape, block_size, gen, dev="cuda") -> Row:
     (g, e), (pg, pe) = _time(fp8), _time(bf16)
     bytes_read = 2 * batch * length * hkv * (dim + 4)
     return Row("gqa_fp8", f"B={batch} Hq={hq} Hkv={hkv} L={length} D={dim} bs={block_size}", g, e, pg, pe,
-               pg / g, bytes_read / g / 1e3, "GB/s", check, str(DecodeConfig()))
+               pg / g, bytes_read / g / 1e3, "GB/s", check, str(FP8_CONFIG))
 
 
 def _mla(heads, batch, length, block_size, gen, dev="cuda") -> list[Row]:
@@ -78,7 +79,7 @@ def _mla(heads, batch, length, block_size, gen, dev="cuda") -> list[Row]:
                 str(default_config(cache8, heads)))]
     for kind, config in (("mla_fp8_dequant", MLADecodeConfig()),
                          ("mla_fp8_folded", MLADecodeConfig(fold_fp8_scales=True)),
-                         ("mla_fp8_folded_f16", MLADecodeConfig(fold_fp8_scales=True, fp8_f16_dots=True))):
+                         ("mla_fp8_words", MLADecodeConfig(fp8_words=True))):
         check = _rel(fp8(config), bf16())
         (g, e) = _time(lambda config=config: fp8(config))
         rows.append(Row(kind, what, g, e, pg, pe, pg / g, bytes_read / g / 1e3, "GB/s", check, str(config)))

@@ -50,6 +50,10 @@ class DecodeConfig:
     # with the query and value scales normalized by powers of two); needs D % 4 == 0 and 4-byte-aligned rows
 
 
+# the launch over an FP8 cache when the caller gives none
+FP8_CONFIG = DecodeConfig()
+
+
 @triton.jit
 def _paged_decode_gqa_kernel(
     q_ptr, stride_qb, stride_qh,  # query [B, Hq, D]
@@ -151,16 +155,18 @@ def _check(query, k_cache, v_cache, block_table, seq_lens) -> None:
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           max_seq_len: int | None = None, config: DecodeConfig = DecodeConfig(),
+                           max_seq_len: int | None = None, config: DecodeConfig | None = None,
                            out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of query [B, Hq, D] over the paged caches -> out [B, Hq, D].
 
     max_seq_len (host int, an upper bound of seq_lens) sizes the splits; by default the block
     table's capacity, max_blocks x block_size. k_scale, v_scale: with FP8 caches (module docstring).
+    config None: FP8_CONFIG over an FP8 cache, else DecodeConfig().
     """
     _check(query, k_cache, v_cache, block_table, seq_lens)
     fp8 = check_fp8_scales("paged decode", k_cache, v_cache, k_scale, v_scale)
+    config = config or (FP8_CONFIG if fp8 else DecodeConfig())
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)  # unused unless fp8
     batch, hq, dim = query.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
