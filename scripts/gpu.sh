@@ -23,8 +23,8 @@
 #               mlalong (MLA decode at long context, small batch: scripts/mla_long_sweep.py), mlashort (short contexts:
 #               how finely to split, scripts/mla_short_sweep.py), prefill (GQA prefill
 #               configs against SDPA: scripts/prefill_sweep.py), prefilltma (the TMA prefill kernel's configs against the paged
-#               kernel and SDPA: scripts/prefill_tma_probe.py; PROBE_ARGS=--quick), mlalazy (MLA decode with and
-#               without lazy rescaling: scripts/mla_lazy_probe.py), probe (cuBLAS FP8 scale layout), cache (Triton cache tarball)
+#               kernel and SDPA: scripts/prefill_tma_probe.py; PROBE_ARGS=--quick), probe (cuBLAS FP8 scale layout),
+#               cache (Triton cache tarball)
 #   engine:     engine, tpbench / tpv2 (tensor parallelism: V2-Lite at TP_SIZES, V2-236B INT4; several GPUs), engineon (the same with fused_moe's two decode rules at PAIR_N, FUSE_N, MLA decode's split tiles at MLA_TILES / MLA_SMALL_TILES, router_route up to ROUTE_N tokens, the greedy argmax inside the decode graphs with GREEDY_GRAPH=1, any python statement in EXTRA_PY; DSQUANT_PDL=0: no programmatic dependent launch), enginefull (with HTTP serving and the transformers peer), serve, long (131072-token
 #               prompt; long32: 32768), profile (scripts/gpu_engine_profile.py), variance (scripts/engine_variance.py:
 #               dsq-tiny-v3 BF16, fp8-block and AWQ engines, interleaved, each step's time split; GREEDY_GRAPH=1: the argmax in the graphs),
@@ -141,7 +141,6 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
     prefill) timeout "${PREFILL_S:-200}" python3 scripts/prefill_sweep.py "$OUT/prefill$(sfx).json" > "$OUT/prefill$(sfx).txt" 2>&1 ;;
     kvwords) timeout "${KVW_S:-360}" python3 scripts/kv_words_probe.py "$OUT/kvwords.json" --budget-s "${KVW_BUDGET:-320}" \
             ${KVW_ARGS:-} > "$OUT/kvwords.txt" 2>&1 ;;  # FP8-KV decode: the words kernels' configs against both caches' defaults
-    mlalazy) timeout "${MLALAZY_S:-300}" python3 scripts/mla_lazy_probe.py "$OUT/mla-lazy.json" > "$OUT/mla-lazy.txt" 2>&1 ;;
     prefilltma) timeout "${PREFILL_S:-400}" python3 scripts/prefill_tma_probe.py "$OUT/prefill-tma.json" ${PROBE_ARGS:-} > "$OUT/prefill-tma.txt" 2>&1 ;;
     probe) timeout 120 python3 scripts/fp8_cublas_probe.py "$OUT/fp8-cublas-probe.json" > "$OUT/probe.txt" 2>&1 ;;
     cache) tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . ;;

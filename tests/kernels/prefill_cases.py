@@ -23,7 +23,7 @@ class PrefillCase:
 def prefill_case(device, dtype, ctx_lens, q_lens, block_size, kv_heads, group, head_dim, qkv_fused=False,
                  outliers=False) -> PrefillCase:
     """qkv_fused: q, key, value as views of one [Tq, (Hq + 2 Hkv) D] projection output; outliers: every 7th
-    new key 6x, so a row's running maximum grows late (the lazy rescale's branch)."""
+    new key 6x, so a row's running maximum grows late."""
     gen = torch.Generator().manual_seed(sum(ctx_lens) + block_size * group)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 2

@@ -4,8 +4,7 @@ float32 masked attention over each sequence's paged keys.
 As test_paged_prefill.py: the new tokens are stored with store_kv first, so the reference reads
 everything from the cache, while the kernel reads the new keys from k_new / v_new. Plain prefill,
 chunked prefill and prefix hits with a context that ends mid-tile, outlier keys that move a
-row's maximum late (the lazy rescale's branch), one new token after a long
-context, query tiles that end mid-sequence (the next sequence's rows in the box), GQA groups 1/4/8.
+row's maximum late, one new token after a long context, query tiles that end mid-sequence (the next sequence's rows in the box), GQA groups 1/4/8.
 Outputs poisoned with NaN; the caches' unused slots hold random values, not zeros.
 """
 import math
@@ -31,35 +30,17 @@ def _check(device, dtype, ctx_lens, q_lens, block_size, kv_heads, group, head_di
     assert (out.float() - ref).norm() <= 1e-2 * ref.norm()
 
 
-@pytest.mark.parametrize("pipeline,lazy", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("pipeline", [False, True])
 @pytest.mark.parametrize("group", [1, 4])
-def test_prefill_tma_cpu(group, pipeline, lazy, device):
+def test_prefill_tma_cpu(group, pipeline, device):
     ctx_lens = [0, 0, 16, 37, 5]
     q_lens = [1, 19, 32, 1, 27]  # 3rd: context ends on a tile boundary; 4th: one token, long context
-    config = TMAPrefillConfig(block_m=16, block_n=8, num_stages=1, num_warps=4, pipeline=pipeline,
-                              lazy_rescale=lazy)
+    config = TMAPrefillConfig(block_m=16, block_n=8, num_stages=1, num_warps=4, pipeline=pipeline)
     _check(device, torch.float16, ctx_lens, q_lens, 16, 2, group, 32, config, atol=2e-3, qkv_fused=group == 4)
 
 
-def test_prefill_tma_lazy_rescale_precision(device):
-    """Lazy rescaling stays within 1.04x the classic update's error against float32 (l sums the rounded p;
-    without that sum it was twice as far on the GPU in bf16)."""
-    c = prefill_case(device, torch.float16, [0, 40, 0], [64, 48, 100], 16, 2, 2, 32, outliers=True)
-    scale = 1.0 / math.sqrt(32)
-    ref = paged_prefill_reference(c.q, c.k_cache, c.v_cache, c.table, c.cu, c.lens, scale)
-    errors = []
-    for lazy in (False, True):
-        out = torch.full_like(c.q, float("nan"))
-        config = TMAPrefillConfig(block_m=16, block_n=8, num_warps=4, num_stages=1, lazy_rescale=lazy)
-        prefill_tma_attention(c.q, c.key, c.value, c.k_cache, c.v_cache, c.table, c.lens, c.cu, scale, 100, config,
-                              out=out)
-        errors.append(float((out.float() - ref).norm() / ref.norm()))
-    assert errors[1] <= 1.04 * errors[0], errors
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [TMAPrefillConfig(), TMAPrefillConfig(lazy_rescale=True),
-                                    TMAPrefillConfig(block_n=128, num_warps=8, num_stages=2),
+@pytest.mark.parametrize("config", [TMAPrefillConfig(), TMAPrefillConfig(block_n=128, num_warps=8, num_stages=2),
                                     TMAPrefillConfig(num_warps=8, num_stages=3, pipeline=True),
                                     TMAPrefillConfig(block_m=256, num_warps=8, num_stages=3)])
 @pytest.mark.parametrize("group", [1, 4, 8])

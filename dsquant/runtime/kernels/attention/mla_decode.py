@@ -43,7 +43,6 @@ from dsquant.runtime.kernels.attention.mla_decode_fp8 import MAX_GROUPS, mla_dec
 from dsquant.runtime.kernels.attention.fp8_words import words_asm_default
 from dsquant.runtime.kernels.attention.mla_decode_fp8_prefetch import mla_decode_fp8_prefetch_kernel
 from dsquant.runtime.kernels.attention.mla_decode_fp8_words import mla_decode_fp8_words_kernel
-from dsquant.runtime.kernels.attention.online_softmax import rescale_lazily
 from dsquant.runtime.kernels.attention.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
 
 LOG2E = 1.4426950408889634
@@ -64,8 +63,9 @@ class MLADecodeConfig:
     fp8_words: bool = False  # FP8 cache: mla_decode_fp8_words.py's kernel (R <= 512: codes read as int32 words,
     # scales folded, fp16 dots); takes precedence over the two above
     min_split_tiles: int = 4  # a split covers at least this many BLOCK_N tiles (split_kv_merge.split_bounds)
-    # the dequantizing / bf16 and the words kernels: rescale the [block_h, R] accumulator only when a head's maximum
-    # grows by more than online_softmax.LAZY_TAU; not yet timed on a GPU (thirtieth session), so off
+    # the words kernel only: rescale its accumulators only in tiles where a head's maximum grew by more than
+    # LAZY_TAU (mla_decode_fp8_words.py). In the bf16 / dequantizing kernel the same ran 0.83-0.99x as fast on an
+    # H100 (16 and 128 heads, B 1-64, L 4096-32768; a probe of the thirty-first session) and was removed
     lazy_rescale: bool = False
 
 
@@ -83,7 +83,7 @@ def _mla_decode_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LONG_MIN: tl.constexpr,
     KV_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, F16: tl.constexpr, MIN_TILES: tl.constexpr,
-    PDL: tl.constexpr = False, LAZY: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     b = tl.program_id(0)
@@ -133,18 +133,12 @@ def _mla_decode_kernel(
         s = tl.dot(q_nope, tl.trans(latent))
         s = tl.dot(q_pe, tl.trans(k_pe), s) * scale_log2  # [BLOCK_H, BLOCK_N]
         s = tl.where(nmask[None, :], s, float("-inf"))
-        if LAZY:  # the [BLOCK_H, R] rescale only when a head's maximum grew by > LAZY_TAU (online_softmax.py)
-            acc, m_i, l_i = rescale_lazily(acc, m_i, l_i, tl.max(s, 1))
-            prob = tl.exp2(s - m_i[:, None]).to(latent.dtype)  # rounded, and summed as the dot sums it
-            l_i = l_i + tl.sum(prob.to(tl.float32), 1)
-            acc = tl.dot(prob, latent, acc)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            prob = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(prob, 1)
-            acc = acc * alpha[:, None] + tl.dot(prob.to(latent.dtype), latent)
-            m_i = m_new
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        prob = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(latent.dtype), latent)
+        m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if not IS_SPLIT:
@@ -283,7 +277,6 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
         fp8_args = {"MIN_TILES": config.min_split_tiles, "ASM": words_asm_default(), "LAZY": config.lazy_rescale}
     if kernel is _mla_decode_kernel:
         fp8_args["MIN_TILES"] = config.min_split_tiles
-        fp8_args["LAZY"] = config.lazy_rescale
         fp8_args.update(pdl.launch(q_nope.device))  # the FP8-cache kernels are launched without PDL
     kernel[(batch, head_blocks, splits)](
         q_nope, q_nope.stride(0), q_nope.stride(1),

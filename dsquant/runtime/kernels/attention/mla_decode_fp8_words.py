@@ -18,8 +18,10 @@ with the reads and the precision of paged_decode_fp8.py:
   rope dot stays in q_pe's dtype;
 - p * scale goes to fp16 times a per-head power of two from its running maximum (the largest in [1, 2)),
   divided out at the end, so tiny scales on dominant tokens keep their bits.
-LAZY (MLADecodeConfig.lazy_rescale): the G accumulators are rescaled only in tiles where some head's maximum
-grew by more than LAZY_TAU or its largest product would pass 2^14, as online_softmax.rescale_lazily does.
+LAZY (MLADecodeConfig.lazy_rescale; FlashAttention-4's conditional rescale): the reference maximum m_i moves,
+and the G accumulators are rescaled, only in tiles where some head's maximum grew by more than LAZY_TAU (log2
+units; p then reaches at most 2^8) or its largest product would pass 2^14. The same in the bf16 MLA kernel and
+the TMA prefill ran 0.83-0.99x as fast on an H100 and was removed (BENCHMARKS.md, thirty-first session).
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ import triton.language as tl
 
 from dsquant.runtime.kernels.attention.fp8_words import e4m3_tile_f16, pow2_normalizer
 from dsquant.runtime.kernels.attention.mla_decode_fp8 import store_groups
-from dsquant.runtime.kernels.attention.online_softmax import LAZY_TAU
 from dsquant.runtime.kernels.attention.split_kv_merge import split_bounds
+
+LAZY_TAU = tl.constexpr(8.0)
 
 
 
@@ -132,7 +135,7 @@ def mla_decode_fp8_words_kernel(
         s = tl.dot(q_pe, tl.trans(k_pe)) + s_nope * q_inv[:, None]  # [BLOCK_H, BLOCK_N] fp32
         s = tl.where(nmask[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if LAZY:  # move m_i only when a head's maximum grew by > LAZY_TAU (online_softmax.py): p <= 2^8
+        if LAZY:  # move m_i only when a head's maximum grew by > LAZY_TAU: p <= 2^8
             grow = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), 0) > LAZY_TAU
             m_new = tl.where(grow, m_new, m_i)
         alpha = tl.exp2(m_i - m_new)  # 1 where m_i stayed; 0 on the first tile (m_i -inf)

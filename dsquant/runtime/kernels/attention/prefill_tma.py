@@ -31,17 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dsquant.runtime.kernels.attention.online_softmax import rescale_lazily
-
 LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
 class TMAPrefillConfig:
     """Launch parameters; block_m a multiple of block_n; pipeline: the next key tile's q k^T written
-    before the current tile's softmax (won at 8 warps, lost at 4); lazy_rescale: online_softmax.rescale_lazily,
-    with l summed over the bf16-rounded probabilities the dot uses (not yet timed in that form: lazy rescaling
-    without it was 2% faster on an H200 and twice as far from SDPA's output, 0.002 against 0.001).
+    before the current tile's softmax (won at 8 warps, lost at 4).
     The default tile was the fastest of 11 on an H200 and of 16 on an H100 at D 128 (scripts/prefill_tma_probe.py,
     2026-12-07): one warp group of 128 rows, two programs a multiprocessor. Triton 3.6's automatic warp
     specialization (tl.range(warp_specialize=True)) changed nothing at 8 warps and did not compile at 4."""
@@ -50,29 +46,21 @@ class TMAPrefillConfig:
     num_warps: int = 4
     num_stages: int = 2
     pipeline: bool = False
-    lazy_rescale: bool = False
 
 
 @triton.jit
-def _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2, LAZY: tl.constexpr):
+def _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2):
     """Online-softmax update with the unscaled scores s [BLOCK_M, BLOCK_N] and values v [BLOCK_N, D]; the
-    scale (log2 e included) is folded into the exponent's subtraction, one FMA an element.
-
-    LAZY: online_softmax.rescale_lazily (most tiles skip the [BLOCK_M, D] rescale of acc)."""
+    scale (log2 e included) is folded into the exponent's subtraction, one FMA an element. (FlashAttention-4's
+    lazy rescale, which skips most tiles' [BLOCK_M, D] rescale of acc, ran 0.91-0.92x as fast on an H100 at the
+    default tile: 2026-12-07, BENCHMARKS.md.)"""
     m_tile = tl.max(s, 1) * scale_log2
-    if LAZY:
-        acc, m_i, l_i = rescale_lazily(acc, m_i, l_i, m_tile)
-        p = tl.exp2(s * scale_log2 - m_i[:, None]).to(v.dtype)  # the rounded p, summed as the dot sums it
-        l_i = l_i + tl.sum(p.to(tl.float32), 1)
-        acc = tl.dot(p, v, acc)
-        return acc, m_i, l_i
-    else:
-        m_new = tl.maximum(m_i, m_tile)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s * scale_log2 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        return acc, m_new, l_i
+    m_new = tl.maximum(m_i, m_tile)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -84,7 +72,7 @@ def _prefill_tma_kernel(
     out_ptr, stride_ot, stride_oh,  # out [Tq, Hq, D]
     scale_log2, num_m_blocks,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr, LAZY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr,
 ):
     head = tl.program_id(0)
     b = tl.program_id(1)
@@ -116,7 +104,7 @@ def _prefill_tma_kernel(
             k = tl.load(k_ptr + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, D]
             s = tl.where(nmask[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
             v = tl.load(v_ptr + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-            acc, m_i, l_i = _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2, LAZY)
+            acc, m_i, l_i = _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2)
         # new keys wholly below the tile's diagonal: no mask
         if PIPELINE:  # the next tile's q k^T issued before this tile's softmax (FlashAttention-3's overlap)
             if m0 > 0:
@@ -126,23 +114,23 @@ def _prefill_tma_kernel(
                     k = k_desc.load([q_start + j0, col])
                     s_next = tl.dot(q, k.T)
                     v = v_desc.load([q_start + j0 - BLOCK_N, col])
-                    acc, m_i, l_i = _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2, LAZY)
+                    acc, m_i, l_i = _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2)
                     s = s_next
                 v = v_desc.load([q_start + m0 - BLOCK_N, col])
-                acc, m_i, l_i = _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2, LAZY)
+                acc, m_i, l_i = _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2)
         else:
             for j0 in range(0, m0, BLOCK_N):
                 k = k_desc.load([q_start + j0, col])  # [BLOCK_N, D]
                 s = tl.dot(q, k.T)
                 v = v_desc.load([q_start + j0, col])
-                acc, m_i, l_i = _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2, LAZY)
+                acc, m_i, l_i = _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2)
         # the diagonal: new keys m0 .. m0 + BLOCK_M, key j visible to row i when j <= i
         for j0 in range(m0, m0 + BLOCK_M, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             k = k_desc.load([q_start + j0, col])
             s = tl.where(j[None, :] <= m[:, None], tl.dot(q, k.T), float("-inf"))
             v = v_desc.load([q_start + j0, col])
-            acc, m_i, l_i = _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2, LAZY)
+            acc, m_i, l_i = _softmax_step_fma(acc, m_i, l_i, s, v, scale_log2)
         out = acc / l_i[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
@@ -198,7 +186,7 @@ def prefill_tma_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
         out, out.stride(0), out.stride(1),
         scale * LOG2E, num_m,
         GROUP=hq // k_new.shape[1], D=dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PIPELINE=config.pipeline, LAZY=config.lazy_rescale,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PIPELINE=config.pipeline,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
