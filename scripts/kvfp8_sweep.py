@@ -13,7 +13,9 @@ import argparse
 import itertools
 import json
 import math
+import os
 import time
+from types import SimpleNamespace
 
 import torch
 import triton.testing as tt
@@ -65,7 +67,9 @@ def _measure(fn, rep_ms):
     return res, us, regs
 
 
-def gqa_rows(length, rep_ms, gen, emit, deadline):
+def gqa_case(length, gen):
+    """B 32, Hq 32, Hkv 8, D 128 over both caches holding the same values: the inputs, the bf16 cache's output
+    (ref), the row label and the bytes each cache's kernel reads."""
     batch, hq, hkv, dim = 32, 32, 8, 128
     q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, length, hkv, dim, device="cuda", dtype=torch.bfloat16)
@@ -76,8 +80,17 @@ def gqa_rows(length, rep_ms, gen, emit, deadline):
     lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
     scale = 1.0 / math.sqrt(dim)
     ref = paged_decode_attention(q, k_cache, v_cache, table, lens, scale, max_seq_len=length)
-    shape = f"gqa B={batch} Hq={hq} Hkv={hkv} L={length} D={dim} bs={BS}"
-    bytes16, bytes8 = 4 * batch * length * hkv * dim, 2 * batch * length * hkv * (dim + 4)
+    return SimpleNamespace(batch=batch, hkv=hkv, q=q, k_cache=k_cache, v_cache=v_cache, kq=kq, ks=ks, vq=vq, vs=vs,
+                           table=table, lens=lens, scale=scale, ref=ref,
+                           shape=f"gqa B={batch} Hq={hq} Hkv={hkv} L={length} D={dim} bs={BS}",
+                           bytes16=4 * batch * length * hkv * dim, bytes8=2 * batch * length * hkv * (dim + 4))
+
+
+def gqa_rows(length, rep_ms, gen, emit, deadline):
+    c = gqa_case(length, gen)
+    q, k_cache, v_cache, kq, ks, vq, vs = c.q, c.k_cache, c.v_cache, c.kq, c.ks, c.vq, c.vs
+    table, lens, scale, ref, shape, bytes16, bytes8 = c.table, c.lens, c.scale, c.ref, c.shape, c.bytes16, c.bytes8
+    batch, hkv = c.batch, c.hkv
     for bn, w, st, sp in itertools.product((64, 128), (4, 8), (2, 3), (0, 2)):
         for kind in ("bf16", "fp8", "fp8_f16"):
             if time.time() > deadline:
@@ -105,7 +118,8 @@ def gqa_rows(length, rep_ms, gen, emit, deadline):
                   "check": _rel(res, ref), "kernels": regs})
 
 
-def mla_rows(heads, length, rep_ms, gen, emit, deadline):
+def mla_case(heads, length, gen):
+    """B 32, latent 512 + rope 64, both caches holding the same values; as gqa_case."""
     batch = 32
     latent = torch.randn(batch, length, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
     cache, table = _paged_copy(latent, BS, gen)
@@ -117,8 +131,16 @@ def mla_rows(heads, length, rep_ms, gen, emit, deadline):
     lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
     scale = 1.0 / math.sqrt(192)
     ref = mla_decode_attention(q_abs, q_pe, cache, table, lens, scale, max_seq_len=length)
-    shape = f"mla H={heads} B={batch} L={length} bs={BS}"
-    bytes16, bytes8 = batch * length * (RANK + ROPE) * 2, batch * length * mla_fp8_token_bytes(RANK, ROPE)
+    return SimpleNamespace(cache=cache, cache8=cache8, q_abs=q_abs, q_pe=q_pe, table=table, lens=lens, scale=scale,
+                           ref=ref, shape=f"mla H={heads} B={batch} L={length} bs={BS}",
+                           bytes16=batch * length * (RANK + ROPE) * 2,
+                           bytes8=batch * length * mla_fp8_token_bytes(RANK, ROPE))
+
+
+def mla_rows(heads, length, rep_ms, gen, emit, deadline):
+    c = mla_case(heads, length, gen)
+    cache, cache8, q_abs, q_pe, table, lens, scale = c.cache, c.cache8, c.q_abs, c.q_pe, c.table, c.lens, c.scale
+    ref, shape, bytes16, bytes8 = c.ref, c.shape, c.bytes16, c.bytes8
     warps = (4, 8) if heads <= 16 else (8,)
     block_hs = (0,) if heads <= 16 else (32, 64)
     block_ns = (16, 32, 64) if heads <= 16 else (16, 32)
@@ -143,15 +165,20 @@ def mla_rows(heads, length, rep_ms, gen, emit, deadline):
                   "check": _rel(res, ref), "kernels": regs})
 
 
-def main():
+def base_parser():
+    """The options this sweep and kv_words_probe.py share."""
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--rep-ms", type=int, default=30)
     ap.add_argument("--only", default="gqa,mla16,mla128")
-    ap.add_argument("--mla-kinds", default=",".join(MLA_KINDS), help="MLA cache/kernel kinds to time")
     ap.add_argument("--lengths", default="32768,4096")
-    args = ap.parse_args()
+    return ap
+
+
+def drive(args, gqa_fn, mla_fn):
+    """Every row of gqa_fn / mla_fn(heads, ...) at each length, written to args.out as they come (through
+    args.out + ".tmp", renamed at the end)."""
     deadline = time.time() + args.budget_s
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -164,16 +191,22 @@ def main():
 
     torch.manual_seed(0)
     parts = args.only.split(",")
-    MLA_KINDS[:] = args.mla_kinds.split(",")
     for length in (int(x) for x in args.lengths.split(",")):
         if "gqa" in parts:
-            gqa_rows(length, args.rep_ms, gen, emit, deadline)
+            gqa_fn(length, args.rep_ms, gen, emit, deadline)
         for heads in (16, 128):
             if f"mla{heads}" in parts:
-                mla_rows(heads, length, args.rep_ms, gen, emit, deadline)
+                mla_fn(heads, length, args.rep_ms, gen, emit, deadline)
         torch.cuda.empty_cache()
-    import os
     os.replace(args.out + ".tmp", args.out)
+
+
+def main():
+    ap = base_parser()
+    ap.add_argument("--mla-kinds", default=",".join(MLA_KINDS), help="MLA cache/kernel kinds to time")
+    args = ap.parse_args()
+    MLA_KINDS[:] = args.mla_kinds.split(",")
+    drive(args, gqa_rows, mla_rows)
 
 
 if __name__ == "__main__":
