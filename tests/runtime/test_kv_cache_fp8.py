@@ -147,12 +147,25 @@ def test_llm_api_and_metrics_name_the_cache():
         LLM("dsq-tiny-v3", device="cpu", kv_cache_dtype="int8")
 
 
+def _words(monkeypatch):
+    """The decode kernels that read the FP8 cache as words (paged_decode_fp8.py, mla_decode_fp8_words.py) as the
+    FP8 defaults, the way a switch of paged_decode.FP8_CONFIG / mla_decode.FP8_CONFIG would put them."""
+    from dsquant.runtime.kernels.attention import mla_decode, paged_decode
+
+    monkeypatch.setattr(paged_decode, "FP8_CONFIG", paged_decode.DecodeConfig(fp8_words=True))
+    monkeypatch.setattr(mla_decode, "FP8_CONFIG", mla_decode.MLADecodeConfig(block_n=16, fp8_words=True))
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("name", MODELS)
-def test_kernel_path_fp8_cache_gpu(name):
+def test_kernel_path_fp8_cache_gpu(name, words, monkeypatch):
     """CUDA, Triton path (store_kv_fp8 / store_latent_fp8 and the fused MLA prepare, the FP8 decode and
     prefill kernels): against the torch path with the same FP8 cache (same numerics up to bf16
-    rounding), and against the kernel path with the bf16 cache (the issue's KL <= 0.01)."""
+    rounding), and against the kernel path with the bf16 cache (the issue's KL <= 0.01). words: the decode
+    kernels that read the cache as int32 words (off by default)."""
+    if words:
+        _words(monkeypatch)
     tokens = prose(name, 384)
     kw = dict(device="cuda", kernels=True, enforce_eager=True)
     fp8 = paged_logits(engine(name, "fp8", **kw), tokens, prefill=256, chunk=64)
@@ -190,8 +203,9 @@ def _torch_store_latent_fp8(kv_c, k_pe, kv_cache, slot_mapping, rope_dtype):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter wiring test; the gpu test covers CUDA")
+@pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("name", MODELS)
-def test_kernel_path_reads_the_fp8_cache_cpu(name, monkeypatch):
+def test_kernel_path_reads_the_fp8_cache_cpu(name, words, monkeypatch):
     """The Triton path under TRITON_INTERPRET, fp16, with the two store kernels replaced by their torch
     reference (the interpreter's cast to e4m3 is not faithful): the FP8 decode / prefill kernels, the
     fused MLA prepare's scratch path and the cache views give the torch path's logits. Median KL per
@@ -202,6 +216,8 @@ def test_kernel_path_reads_the_fp8_cache_cpu(name, monkeypatch):
 
     monkeypatch.setattr(kv_store_fp8, "store_kv_fp8", _torch_store_kv_fp8)
     monkeypatch.setattr(kv_store_fp8, "store_latent_fp8", _torch_store_latent_fp8)
+    if words:
+        _words(monkeypatch)
     tokens = prose(name, 28)
     kernels = paged_logits(engine(name, "fp8", dtype=torch.float16, kernels=True), tokens, prefill=20, chunk=10)
     reference = paged_logits(engine(name, "fp8", dtype=torch.float16), tokens, prefill=20, chunk=10)
