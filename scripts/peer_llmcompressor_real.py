@@ -12,6 +12,7 @@ dsquant's environment as a safetensors int64 tensor "input_ids" [32, 512]:
     OMP_NUM_THREADS=2 /tmp/lc-venv/bin/python scripts/peer_llmcompressor_real.py gptq --model $M --tokens T --out OUT
     OMP_NUM_THREADS=2 /tmp/lc-venv/bin/python scripts/peer_llmcompressor_real.py fp8-block --model $M --out OUT
     OMP_NUM_THREADS=2 /tmp/lc-venv/bin/python scripts/peer_llmcompressor_real.py awq --model $M --tokens T --out OUT [--layers 2]
+        [--group-size 128 --mixed-moe]   # dsq-tiny-v3: dense layer 0, MoE after it
 
 then `dsquant validate --baseline $M OUT ...` scores the compressed-tensors artifacts it writes.
 """
@@ -46,6 +47,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--layers", type=int, default=0, help="keep only the first N decoder layers (timing)")
+    ap.add_argument("--mixed-moe", action="store_true",
+                    help="AWQ: llm-compressor's mappings for DeepSeek-style models whose first layers are dense "
+                         "(its DeepseekV3 mappings name the router, which the dense layers lack)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,7 +74,11 @@ def main() -> None:
     elif args.algo == "fp8-block":
         recipe = QuantizationModifier(targets=["Linear"], scheme="FP8_BLOCK", ignore=ignore)
     else:
-        recipe = [AWQModifier(duo_scaling=True, n_grid=20),
+        mappings = None
+        if args.mixed_moe:
+            from llmcompressor.modifiers.transform.awq.mappings import AWQ_MAPPING_REGISTRY
+            mappings = AWQ_MAPPING_REGISTRY["DeepseekV2ForCausalLM"]
+        recipe = [AWQModifier(duo_scaling=True, n_grid=20, mappings=mappings),
                   QuantizationModifier(targets=["Linear"], ignore=ignore,
                                        config_groups=int4_group(False, args.group_size))]
     if args.algo != "fp8-block":
