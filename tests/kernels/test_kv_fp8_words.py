@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from dsquant.runtime.kernels.attention.kv_fp8_layout import dequantize_fp8, quantize_fp8
-from dsquant.runtime.kernels.attention.paged_decode import DecodeConfig, paged_decode_attention, words_fit
+from dsquant.runtime.kernels.attention.fp8_words import words_fit
+from dsquant.runtime.kernels.attention.paged_decode import DecodeConfig, paged_decode_attention
 from dsquant.runtime.kernels.attention.reference_attention import make_block_table, paged_decode_reference
 from tests.kernels.test_kv_fp8 import _check_mla, spread
 

@@ -22,6 +22,13 @@ import triton
 import triton.language as tl
 
 
+def words_fit(*caches) -> bool:
+    """Whether e4m3 cache tensors (or views) can be read as int32 words: 4-byte-aligned bases, every stride but
+    the last and the last dim multiples of 4 (so each token's row starts on a word)."""
+    return all(t.data_ptr() % 4 == 0 and t.shape[-1] % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:-1])
+               for t in caches)
+
+
 def words_asm_default() -> bool:
     """Inline PTX for the conversion: on a GPU, not under TRITON_INTERPRET (which runs no PTX)."""
     return os.environ.get("TRITON_INTERPRET", "0") != "1"

@@ -40,7 +40,7 @@ from dsquant.errors import DsquantError
 from dsquant.runtime.kernels import pdl
 from dsquant.runtime.kernels.attention.kv_fp8_layout import MLA_GROUP, fp8_rope_dtype, mla_fp8_token_bytes, mla_fp8_views
 from dsquant.runtime.kernels.attention.mla_decode_fp8 import MAX_GROUPS, mla_decode_fp8_kernel
-from dsquant.runtime.kernels.attention.fp8_words import words_asm_default
+from dsquant.runtime.kernels.attention.fp8_words import words_asm_default, words_fit
 from dsquant.runtime.kernels.attention.mla_decode_fp8_prefetch import mla_decode_fp8_prefetch_kernel
 from dsquant.runtime.kernels.attention.mla_decode_fp8_words import mla_decode_fp8_words_kernel
 from dsquant.runtime.kernels.attention.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
@@ -272,7 +272,7 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
     if fp8 and not folded and config.fp8_prefetch:
         kernel = mla_decode_fp8_prefetch_kernel
     fp8_args = {"F16_DOTS": config.fp8_f16_dots} if folded else {"KV_FP8": fp8, "F16": fp8 and config.fp8_f16_dots}
-    if fp8 and config.fp8_words and scales.shape[-1] <= MAX_GROUPS:
+    if fp8 and config.fp8_words and scales.shape[-1] <= MAX_GROUPS and words_fit(latent):
         kernel = mla_decode_fp8_words_kernel
         fp8_args = {"MIN_TILES": config.min_split_tiles, "ASM": words_asm_default(), "LAZY": config.lazy_rescale}
     if kernel is _mla_decode_kernel:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from dsquant.errors import DsquantError
-from dsquant.runtime.kernels.attention.fp8_words import words_asm_default
+from dsquant.runtime.kernels.attention.fp8_words import words_asm_default, words_fit
 from dsquant.runtime.kernels.attention.paged_decode_fp8 import paged_decode_fp8_words_kernel
 from dsquant.runtime.kernels.attention.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
 
@@ -200,13 +200,6 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if splits > 1:
         merge_splits(part_out, part_lse, out)
     return out
-
-
-def words_fit(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the e4m3 caches can be read as int32 words (paged_decode_fp8.py): D and the strides multiples of
-    4 bytes, 4-byte-aligned bases."""
-    return all(s % 4 == 0 for s in k_cache.stride()[:3]) and k_cache.shape[3] % 4 == 0 and \
-        k_cache.data_ptr() % 4 == 0 and v_cache.data_ptr() % 4 == 0
 
 
 def default_scale(head_dim: int) -> float:
