@@ -32,7 +32,8 @@ import triton.language as tl
 from dsquant.errors import DsquantError
 from dsquant.runtime.kernels.attention.fp8_words import words_asm_default, words_fit
 from dsquant.runtime.kernels.attention.paged_decode_fp8 import paged_decode_fp8_words_kernel
-from dsquant.runtime.kernels.attention.split_kv_merge import choose_num_splits, merge_splits, num_sms, split_bounds
+from dsquant.runtime.kernels.attention.split_kv_merge import (choose_num_splits, merge_splits, num_sms, split_bounds,
+                                                                  store_split_result)
 
 LOG2E = 1.4426950408889634
 
@@ -113,15 +114,8 @@ def _paged_decode_gqa_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    omask = gmask[:, None] & dmask[None, :]
-    if not IS_SPLIT:
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        row_id = (b * num_q_heads + heads) * num_splits + split  # [BLOCK_G]
-        tl.store(part_out_ptr + row_id[:, None] * HEAD_DIM + d[None, :], out, mask=omask & (end > start))
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # empty chunk: -inf
-        tl.store(part_lse_ptr + row_id, lse, mask=gmask)
+    store_split_result(out, m_i, l_i, b, heads, gmask, d, dmask, end > start, split, num_q_heads, num_splits,
+                       out_ptr + b * stride_ob, stride_oh, part_out_ptr, part_lse_ptr, HEAD_DIM, IS_SPLIT)
 
 
 def check_fp8_scales(name: str, k_cache, v_cache, k_scale, v_scale) -> bool:

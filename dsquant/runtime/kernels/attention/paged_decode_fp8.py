@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from dsquant.runtime.kernels.attention.fp8_words import e4m3_tile_f16, pow2_normalizer
-from dsquant.runtime.kernels.attention.split_kv_merge import split_bounds
+from dsquant.runtime.kernels.attention.split_kv_merge import split_bounds, store_split_result
 
 
 
@@ -86,12 +86,5 @@ def paged_decode_fp8_words_kernel(
         pv_mul = pv_mul_new
 
     out = acc / pv_mul[:, None] / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    omask = gmask[:, None] & dmask[None, :]
-    if not IS_SPLIT:
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=omask)
-    else:
-        row_id = (b * num_q_heads + heads) * num_splits + split  # [BLOCK_G]
-        tl.store(part_out_ptr + row_id[:, None] * HEAD_DIM + d[None, :], out, mask=omask & (end > start))
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # empty chunk: -inf
-        tl.store(part_lse_ptr + row_id, lse, mask=gmask)
+    store_split_result(out, m_i, l_i, b, heads, gmask, d, dmask, end > start, split, num_q_heads, num_splits,
+                       out_ptr + b * stride_ob, stride_oh, part_out_ptr, part_lse_ptr, HEAD_DIM, IS_SPLIT)

@@ -18,6 +18,25 @@ from dsquant.runtime.kernels import pdl
 
 
 @triton.jit
+def store_split_result(out, m_i, l_i, b, heads, head_mask, cols, col_mask, live, split, num_heads, num_splits,
+                       out_row_ptr, stride_oh, part_out_ptr, part_lse_ptr, WIDTH: tl.constexpr,
+                       IS_SPLIT: tl.constexpr):
+    """A decode program's result for rows `heads` of sequence b: out [ROWS, COLS] fp32 (normalized by l_i), m_i /
+    l_i [ROWS] its running maximum and sum. One split: out's rows (out_row_ptr: sequence b's [H, WIDTH] in out's
+    dtype, heads stride_oh apart). Several: partial_out and partial_lse at (b, heads, split) (module docstring);
+    live: the chunk is non-empty (an empty one's partial_out is not written, its lse is -inf)."""
+    mask = head_mask[:, None] & col_mask[None, :]
+    if not IS_SPLIT:
+        tl.store(out_row_ptr + heads[:, None] * stride_oh + cols[None, :], out.to(out_row_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        row_id = (b * num_heads + heads) * num_splits + split  # [ROWS]
+        tl.store(part_out_ptr + row_id[:, None] * WIDTH + cols[None, :], out, mask=mask & live)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # empty chunk: -inf
+        tl.store(part_lse_ptr + row_id, lse, mask=head_mask)
+
+
+@triton.jit
 def split_weights(part_lse_ptr, first, num_splits, BLOCK_S: tl.constexpr):
     """One row's splits (lse at part_lse_ptr + first + s): (m, total, live_end) = the largest lse (0
     when all are empty), sum over splits of 2^(lse - m) (empty ones weigh 0), and 1 + the index of
