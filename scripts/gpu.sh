@@ -149,7 +149,7 @@ write_json('$OUT/kvfp8.json', rows, {'block_size': 64})" > "$OUT/kvfp8.txt" 2>&1
     engineon) timeout "${ENGINE_S:-300}" python3 -c "
 import sys
 import dsquant.runtime.kernels.moe.fused_moe as fm
-import dsquant.runtime.kernels.attention.mla_decode as md
+import dsquant.runtime.kernels.attention.mla_decode_plan as md
 fm.ONE_BLOCK_PER_PAIR_MAX_TOKENS = ${PAIR_N:-fm.ONE_BLOCK_PER_PAIR_MAX_TOKENS}
 fm.FP8_FUSE_QUANT_MAX_TOKENS = ${FUSE_N:-fm.FP8_FUSE_QUANT_MAX_TOKENS}
 md.NARROW_SPLIT_TILES = ${MLA_TILES:-md.NARROW_SPLIT_TILES}

@@ -15,7 +15,8 @@ import math
 import time
 
 from dsquant.runtime.kernels.attention.mla_absorb import mla_merge_uv, mla_prepare
-from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig, _launch_plan, mla_decode_split
+from dsquant.runtime.kernels.attention.mla_decode import MLADecodeConfig, mla_decode_split
+from dsquant.runtime.kernels.attention.mla_decode_plan import launch_plan
 from scripts.mla_sweep import NOPE, R, ROPE, case, graph_us
 
 MAX_LEN = 163840
@@ -42,7 +43,7 @@ def main() -> None:
     rows = []
     for batch, ctx in ((1, 131072), (1, 32768), (1, 4096), (1, 600), (2, 131072), (2, 32768), (4, 131072)):
         c = case(batch, ctx)
-        heuristic = _launch_plan(c["q"], c["cache"], MAX_LEN, MLADecodeConfig(), c["table"])[3]
+        heuristic = launch_plan(c["q"], c["cache"], MAX_LEN, MLADecodeConfig(), c["table"])[3]
         ref = layer(c, scale, MLADecodeConfig(num_splits=64)).float()
         gb = batch * ctx * (R + ROPE) * 2 / 1e9
         for splits, block_n, warps, stages in CONFIGS:

@@ -288,7 +288,7 @@ def test_mla_fp8_default_config():
     """An FP8 cache with <= 16 heads takes the prefetching kernel over 16-token tiles (FP8_CONFIG); a bf16
     cache with more heads 64-token tiles (WIDE_CONFIG); the rest MLADecodeConfig(), with 1-tile splits
     at small batches."""
-    from dsquant.runtime.kernels.attention.mla_decode import FP8_CONFIG, WIDE_CONFIG, MLADecodeConfig, default_config
+    from dsquant.runtime.kernels.attention.mla_decode_plan import FP8_CONFIG, WIDE_CONFIG, MLADecodeConfig, default_config
 
     fp8_cache, bf16_cache = torch.zeros(2, 16, 656, dtype=torch.uint8), torch.zeros(2, 16, 576, dtype=torch.bfloat16)
     assert default_config(fp8_cache, 16) == FP8_CONFIG and FP8_CONFIG.fp8_prefetch and FP8_CONFIG.block_n == 16

@@ -266,9 +266,9 @@ VARIANTS = [("mla", True, 132), ("fused", True, 132), ("fused", False, 8), ("mla
 
 
 def patch_sms(monkeypatch, sms: int) -> None:
-    from dsquant.runtime.kernels.attention import mla_decode
+    from dsquant.runtime.kernels.attention import mla_decode_plan
 
-    monkeypatch.setattr(mla_decode, "num_sms", lambda device: sms)
+    monkeypatch.setattr(mla_decode_plan, "num_sms", lambda device: sms)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -168,7 +168,7 @@ def test_mla_split_choice(heads, batch, length, expected):
     """Split counts the heuristic picks on a 132-SM GPU: powers of two; for every bench shape but
     (128, 64, *) the pick is the fastest of the split counts measured with the default tiles in the 2026-11-29 H200 sweep.
     A few 16-head sequences get at least 16 whatever max_seq_len says (each sizes its own splits)."""
-    from dsquant.runtime.kernels.attention.mla_decode import choose_mla_splits, default_block_h
+    from dsquant.runtime.kernels.attention.mla_decode_plan import choose_mla_splits, default_block_h
 
     block_h = default_block_h(heads)
     assert choose_mla_splits(batch * -(-heads // block_h), block_h, 32, length, 132) == expected

@@ -149,11 +149,11 @@ def test_llm_api_and_metrics_name_the_cache():
 
 def _words(monkeypatch):
     """The decode kernels that read the FP8 cache as words (paged_decode_fp8.py, mla_decode_fp8_words.py) as the
-    FP8 defaults, the way a switch of paged_decode.FP8_CONFIG / mla_decode.FP8_CONFIG would put them."""
-    from dsquant.runtime.kernels.attention import mla_decode, paged_decode
+    FP8 defaults, the way a switch of paged_decode.FP8_CONFIG / mla_decode_plan.FP8_CONFIG would put them."""
+    from dsquant.runtime.kernels.attention import mla_decode_plan, paged_decode
 
     monkeypatch.setattr(paged_decode, "FP8_CONFIG", paged_decode.DecodeConfig(fp8_words=True))
-    monkeypatch.setattr(mla_decode, "FP8_CONFIG", mla_decode.MLADecodeConfig(block_n=16, fp8_words=True))
+    monkeypatch.setattr(mla_decode_plan, "FP8_CONFIG", mla_decode_plan.MLADecodeConfig(block_n=16, fp8_words=True))
 
 
 @pytest.mark.gpu
