@@ -52,18 +52,22 @@ def gqa_rows(length, rep_ms, gen, emit, deadline):
 
 
 def _mla_configs(heads):
-    if heads <= 16:
-        rows = [("bf16", None), ("bf16", MLADecodeConfig(block_n=16)), ("fp8", None)]
-        grid = itertools.product((0,), (16, 32, 64), (4, 8), (1, 2, 3))
-    else:
-        rows = [("bf16", None), ("fp8", None)]
-        grid = itertools.product((32, 64), (16, 32), (8,), (1, 2))
-    for bh, bn, w, st in grid:
+    if heads <= 16:  # (block_n, num_warps, num_stages, max_regs, lazy); max_regs 168: three programs an SM
+        rows = [("bf16", None), ("bf16", MLADecodeConfig(max_regs=168)), ("bf16", MLADecodeConfig(block_n=16)), ("fp8", None)]
+        grid = ((16, 4, 2, 0, False), (16, 4, 2, 168, False), (16, 4, 2, 128, False), (32, 4, 2, 0, False),
+                (32, 4, 2, 168, False), (32, 4, 3, 168, False), (16, 4, 3, 168, False), (64, 4, 2, 0, False),
+                (16, 4, 3, 0, False), (16, 4, 1, 0, False), (32, 4, 3, 0, False), (16, 8, 2, 0, False),
+                (32, 8, 2, 0, False), (64, 8, 2, 0, False), (16, 4, 2, 0, True), (16, 4, 2, 168, True))
+        for bn, w, st, mr, lazy in grid:
+            rows.append(("fp8", MLADecodeConfig(block_n=bn, num_warps=w, num_stages=st, max_regs=mr, fp8_words=True,
+                                                lazy_rescale=lazy)))
+        return rows
+    rows = [("bf16", None), ("fp8", None)]
+    for bh, bn, w, st in itertools.product((32, 64), (16, 32), (8,), (1, 2)):
         rows.append(("fp8", MLADecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, fp8_words=True)))
-    lazy = ((0, 16, 4, 2), (0, 32, 4, 2)) if heads <= 16 else ((64, 16, 8, 1), (64, 16, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2))
-    for bh, bn, w, st in lazy:  # the rescale only in tiles that need it (MLADecodeConfig.lazy_rescale)
+    for bh, bn, w, st in ((64, 16, 8, 1), (64, 16, 8, 2), (64, 32, 8, 2), (32, 32, 8, 2)):
         rows.append(("fp8", MLADecodeConfig(block_h=bh, block_n=bn, num_warps=w, num_stages=st, fp8_words=True,
-                                            lazy_rescale=True)))
+                                            lazy_rescale=True)))  # the rescale only in tiles that need it
     return rows
 
 

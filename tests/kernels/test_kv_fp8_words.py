@@ -124,6 +124,9 @@ def test_mla_words_decode_gpu(heads, device):
         for lazy in (False, True):
             _check_mla(device, torch.bfloat16, lens, 64, heads, 512, 64,
                        MLADecodeConfig(block_n=block_n, fp8_words=True, lazy_rescale=lazy))
+    for block_n, max_regs in (((16, 168), (16, 128), (32, 168)) if heads <= 16 else ()):  # a register cap
+        _check_mla(device, torch.bfloat16, lens, 64, heads, 512, 64,
+                   MLADecodeConfig(block_n=block_n, fp8_words=True, max_regs=max_regs))
 
 
 @pytest.mark.gpu

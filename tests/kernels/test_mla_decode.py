@@ -51,6 +51,12 @@ def test_mla_decode_cpu(block_size, heads, block_h, splits, device):
     _check(device, torch.float16, seq_lens, block_size, heads, 64, 16, config, atol=2e-3)
 
 
+def test_mla_decode_register_cap_cpu(device):
+    """MLADecodeConfig.max_regs reaches the launch as Triton's maxnreg (the interpreter ignores it)."""
+    config = MLADecodeConfig(block_h=16, block_n=16, num_stages=1, num_splits=2, max_regs=168)
+    _check(device, torch.float16, [1, 40, 77], 16, 4, 64, 16, config, atol=2e-3)
+
+
 def test_mla_decode_long_context_many_splits(device):
     """128 splits over a 5000-token context: past 64 x LONG_SPLIT_TOKENS' worth of splits the kernel
     takes longer ones (here 80 tokens: cdiv(5000, 64) rounded to block_n), so fewer than 128 are live;
@@ -156,6 +162,15 @@ def test_mla_decode_gpu(block_size, heads, device):
 @pytest.mark.parametrize("splits", [1, 5])
 def test_mla_decode_gpu_forced_splits(splits, device):
     _check(device, torch.bfloat16, [6000, 1, 16], 64, 128, 512, 64, MLADecodeConfig(num_splits=splits), atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_regs", [168, 128])
+def test_mla_decode_gpu_register_cap(max_regs, device):
+    """16 heads under a register cap (MLADecodeConfig.max_regs: more programs an SM, spills where it is tight)."""
+    for block_n in (16, 32):
+        _check(device, torch.bfloat16, [1, 4096, 4099, 33, 9000], 64, 16, 512, 64,
+               MLADecodeConfig(block_n=block_n, max_regs=max_regs), atol=1e-2)
 
 
 @pytest.mark.parametrize("heads,batch,length,expected", [

@@ -188,6 +188,7 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
         IS_SPLIT=is_split, LONG_MIN=LONG_SPLIT_TOKENS, GROUPS=max(1, scales.shape[-1]) if fp8 else 1,
         GROUP=MLA_GROUP,
         num_warps=num_warps, num_stages=config.num_stages, **fp8_args,
+        **({"maxnreg": config.max_regs} if config.max_regs else {}),
     )
 
 

@@ -34,6 +34,10 @@ class MLADecodeConfig:
     # LAZY_TAU (mla_decode_fp8_words.py). In the bf16 / dequantizing kernel the same ran 0.83-0.99x as fast on an
     # H100 (16 and 128 heads, B 1-64, L 4096-32768; a probe of the thirty-first session) and was removed
     lazy_rescale: bool = False
+    # a register cap per thread (Triton's maxnreg; 0: the compiler's choice). At 16 heads and 4 warps the kernels
+    # take 200-253 registers, two programs a multiprocessor; 168 lets three run (sm_90 SASS compiled here: the
+    # words kernel at 16- and 32-token tiles without spills). Not for > 16 heads: the wgmma form needs more.
+    max_regs: int = 0
 
 
 # a context of 64 x 256 tokens or more goes in splits of at least 256 (split_kv_merge.split_bounds): batch 1
