@@ -88,6 +88,20 @@ def test_words_fit_and_fallback(device):
     _check(device, torch.float16, [9, 20], 16, 2, 2, 18, splits=1)
 
 
+def test_mla_views_share_rows():
+    """The MLA words kernel takes the scales' and rope key's offsets from the latent's byte row: FlashMLA's
+    layout gives three views with equal byte strides at every rank; views of different caches do not."""
+    from dsquant.runtime.kernels.attention.kv_fp8_layout import mla_fp8_token_bytes, mla_fp8_views
+    from dsquant.runtime.kernels.attention.mla_decode import _rows_shared
+
+    for rank, rope in ((128, 16), (256, 64), (512, 64), (1024, 64)):
+        cache = torch.zeros(3, 16, mla_fp8_token_bytes(rank, rope), dtype=torch.uint8)
+        assert _rows_shared(*mla_fp8_views(cache, rank, rope, torch.bfloat16))
+    wide = torch.zeros(3, 16, mla_fp8_token_bytes(512, 64) + 16, dtype=torch.uint8)[..., :656]
+    latent, scales, _ = mla_fp8_views(torch.zeros(3, 16, 656, dtype=torch.uint8), 512, 64, torch.bfloat16)
+    assert not _rows_shared(latent, scales, wide.view(torch.bfloat16)[..., 264:328])
+
+
 # one, two and four scale groups (R 1024 keeps the dequantizing kernel); a partial head tile; split-KV merge
 @pytest.mark.parametrize("rank", [128, 256, 512, 1024])
 @pytest.mark.parametrize("heads,splits", [(4, 1), (20, 3)])

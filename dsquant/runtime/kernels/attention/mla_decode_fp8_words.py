@@ -37,11 +37,27 @@ LAZY_TAU = tl.constexpr(8.0)
 
 
 @triton.jit
-def _codes(lat_ptr, row, nmask, sc_ptr, s_row, G: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-           ASM: tl.constexpr):
-    """Group G of the tile: (codes fp16 [BLOCK_N, GROUP], scales fp32 [BLOCK_N])."""
-    code = e4m3_tile_f16(lat_ptr + G * GROUP, row, nmask, GROUP, BLOCK_N, GROUP, ASM)
-    return code, tl.load(sc_ptr + s_row + G, mask=nmask, other=0.0)
+def _codes(lat_ptr, row, nmask, G: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    """Group G's codes of the tile, fp16 [BLOCK_N, GROUP]."""
+    return e4m3_tile_f16(lat_ptr + G * GROUP, row, nmask, GROUP, BLOCK_N, GROUP, ASM)
+
+
+@triton.jit
+def _scales(sc_ptr, row, nmask, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's scales, one 4 x GROUPS-byte load a token, as GROUPS fp32 [BLOCK_N] (unused ones repeat)."""
+    sc = tl.load(sc_ptr + (row // 4)[:, None] + tl.arange(0, GROUPS)[None, :], mask=nmask[:, None],
+                 other=0.0)  # [BLOCK_N, GROUPS]
+    if GROUPS == 1:
+        s0 = tl.reshape(sc, [BLOCK_N])
+        return s0, s0, s0, s0
+    elif GROUPS == 2:
+        s0, s1 = tl.split(sc)
+        return s0, s1, s0, s1
+    else:
+        even, odd = tl.split(tl.reshape(sc, [BLOCK_N, 2, 2]))  # [BLOCK_N, 2]: groups (0, 2) and (1, 3)
+        s0, s2 = tl.split(even)
+        s1, s3 = tl.split(odd)
+        return s0, s1, s2, s3
 
 
 @triton.jit
@@ -117,19 +133,22 @@ def mla_decode_fp8_words_kernel(
         blk = tl.load(table + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         tok = n % BLOCK_SIZE
         row = blk * stride_lblk + tok * stride_ltok  # [BLOCK_N]
-        s_row = blk * stride_sblk + tok * stride_stok
-        k_pe = tl.load(pe_ptr + blk[:, None] * stride_pblk + tok[:, None] * stride_ptok + p[None, :],
+        # the scales and the rope key share the latent's token rows (row in bytes, a multiple of 16 for the 656-byte
+        # token), so their offsets come from row: 16-byte loads that Triton pipelines, where their own views'
+        # element strides (164 and 328 a token) would give 4- and 2-byte ones
+        k_pe = tl.load(pe_ptr + (row // 2)[:, None] + p[None, :],
                        mask=nmask[:, None], other=0.0).to(q_pe.dtype)  # [BLOCK_N, P]
-        code0, sc0 = _codes(lat_ptr, row, nmask, sc_ptr, s_row, 0, GROUP, BLOCK_N, ASM)
+        sc0, sc1, sc2, sc3 = _scales(sc_ptr, row, nmask, GROUPS, BLOCK_N)  # [BLOCK_N] each
+        code0 = _codes(lat_ptr, row, nmask, 0, GROUP, BLOCK_N, ASM)
         s_nope = tl.dot(q0, tl.trans(code0)) * sc0[None, :]  # [BLOCK_H, BLOCK_N]
         sc_max = sc0
         if GROUPS > 1:
-            code1, sc1 = _codes(lat_ptr, row, nmask, sc_ptr, s_row, 1, GROUP, BLOCK_N, ASM)
+            code1 = _codes(lat_ptr, row, nmask, 1, GROUP, BLOCK_N, ASM)
             s_nope = s_nope + tl.dot(q1, tl.trans(code1)) * sc1[None, :]
             sc_max = tl.maximum(sc_max, sc1)
         if GROUPS > 2:
-            code2, sc2 = _codes(lat_ptr, row, nmask, sc_ptr, s_row, 2, GROUP, BLOCK_N, ASM)
-            code3, sc3 = _codes(lat_ptr, row, nmask, sc_ptr, s_row, 3, GROUP, BLOCK_N, ASM)
+            code2 = _codes(lat_ptr, row, nmask, 2, GROUP, BLOCK_N, ASM)
+            code3 = _codes(lat_ptr, row, nmask, 3, GROUP, BLOCK_N, ASM)
             s_nope = s_nope + tl.dot(q2, tl.trans(code2)) * sc2[None, :] + tl.dot(q3, tl.trans(code3)) * sc3[None, :]
             sc_max = tl.maximum(sc_max, tl.maximum(sc2, sc3))
         s = tl.dot(q_pe, tl.trans(k_pe)) + s_nope * q_inv[:, None]  # [BLOCK_H, BLOCK_N] fp32
