@@ -4,7 +4,7 @@ Each variant is awq-w4g128 with some module groups left at RTN g128 (or one AWQ 
 quantized on CPU and scored at test_accuracy_bundled's settings (calibration 32 x 512 at --seed,
 12288 evaluation tokens, window 512, stride 256). One JSON line per variant.
 
-    python scripts/awq_scope_diag.py [--seed 0] [--calib-source austen] [VARIANT ...]   # default: all of VARIANTS
+    python scripts/awq_scope_diag.py [--seed 0] [--n-samples 32] [--calib-source austen] [VARIANT ...]   # default: all
 
 --calib-source keeps only the bundled calibration documents of that source (python-docs, cpython-3.11,
 world-english-bible, austen): whether a method's loss on one eval set is the calibration mix's domain.
@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calib-source", default=None, help="calibrate on this source's documents only")
+    ap.add_argument("--n-samples", type=int, default=32, help="calibration sequences (dsquant quantize's default: 128)")
     args = ap.parse_args()
     base = bundled_model_path("dsq-tiny-v3")
     tokenizer = load_tokenizer(base)
@@ -96,8 +97,9 @@ def main() -> None:
                 recipe = Path(tmp) / f"{name}.yaml"
                 recipe.write_text(recipe_yaml(name))
             report = run_quantize(QuantizeArgs(str(base), str(recipe), str(Path(tmp) / name), calib=calib,
-                                               n_samples=32, seqlen=512, seed=args.seed))
-            print(json.dumps({"variant": name, "seed": args.seed, "calib_source": args.calib_source,
+                                               n_samples=args.n_samples, seqlen=512, seed=args.seed))
+            print(json.dumps({"variant": name, "seed": args.seed, "n_samples": args.n_samples,
+                              "calib_source": args.calib_source,
                               **perplexities(report.out_dir, tokenizer), "s": round(time.time() - t0)}), flush=True)
 
 
