@@ -92,7 +92,7 @@ def test_mla_views_share_rows():
     """The MLA words kernel takes the scales' and rope key's offsets from the latent's byte row: FlashMLA's
     layout gives three views with equal byte strides at every rank; views of different caches do not."""
     from dsquant.runtime.kernels.attention.kv_fp8_layout import mla_fp8_token_bytes, mla_fp8_views
-    from dsquant.runtime.kernels.attention.mla_decode import _rows_shared
+    from dsquant.runtime.kernels.attention.kv_fp8_layout import rows_shared as _rows_shared
 
     for rank, rope in ((128, 16), (256, 64), (512, 64), (1024, 64)):
         cache = torch.zeros(3, 16, mla_fp8_token_bytes(rank, rope), dtype=torch.uint8)

@@ -71,7 +71,10 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def mla_fp8_views(cache: torch.Tensor, rank: int, rope: int, rope_dtype: torch.dtype):
     """uint8 cache [num_blocks, block_size, W] -> (latent e4m3 [.., .., R], scales fp32 [.., .., G],
-    rope [.., .., P] in rope_dtype), views of the same memory (strides in each view's elements)."""
+    rope [.., .., P] in rope_dtype), views of the same memory (strides in each view's elements).
+
+    The three step through the same token rows (`rows_shared`), so the decode kernels take the scales' and
+    the rope key's offsets from the latent's byte row (row / 4, row / 2)."""
     groups = mla_fp8_groups(rank)
     width = mla_fp8_token_bytes(rank, rope)
     if cache.dtype != torch.uint8 or cache.shape[-1] != width or cache.stride(-1) != 1:
@@ -81,6 +84,11 @@ def mla_fp8_views(cache: torch.Tensor, rank: int, rope: int, rope_dtype: torch.d
     scales = cache.view(torch.float32)[..., rank // 4:rank // 4 + groups]
     start = (rank + 4 * groups) // 2
     return latent, scales, cache.view(rope_dtype)[..., start:start + rope]
+
+
+def rows_shared(*views: torch.Tensor) -> bool:
+    """Whether views step through the same rows (equal byte strides in every dim but the last)."""
+    return len({tuple(st * v.element_size() for st in v.stride()[:-1]) for v in views}) == 1
 
 
 def quantize_mla_fp8(kv_c: torch.Tensor, k_pe: torch.Tensor, rope_dtype: torch.dtype) -> torch.Tensor:

@@ -154,13 +154,6 @@ def _check(q_nope, q_pe, kv_cache, block_table, seq_lens) -> None:
                            f"B={q_nope.shape[0]}, got {block_table.dtype} {tuple(block_table.shape)}, {seq_lens.dtype}")
 
 
-def _rows_shared(*views) -> bool:
-    """Whether the FP8 cache's views step through the same token rows (byte strides equal): the FP8 kernels
-    take the scales' and the rope key's offsets from the latent's byte row (16-byte loads, where the views'
-    own element strides, 164 and 328 a 656-byte token, give 4- and 2-byte ones)."""
-    return len({tuple(st * v.element_size() for st in v.stride()[:-1]) for v in views}) == 1
-
-
 def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, out, part_out, part_lse,
             is_split: bool):
     block_h, num_warps, head_blocks, splits = plan
@@ -168,9 +161,6 @@ def _launch(q_nope, q_pe, kv_cache, block_table, seq_lens, scale, config, plan, 
     fp8 = kv_cache.dtype == torch.uint8
     if fp8:
         latent, scales, pe = mla_fp8_views(kv_cache, rank, q_pe.shape[2], fp8_rope_dtype(q_pe.dtype))
-        if not _rows_shared(latent, scales, pe):  # views of one uint8 tensor always are; the kernels rely on it
-            raise DsquantError(f"mla decode: the FP8 cache's views do not share token rows: strides "
-                               f"{latent.stride()}, {scales.stride()}, {pe.stride()}")
     else:
         latent, scales, pe = kv_cache[..., :rank], kv_cache, kv_cache[..., rank:]  # scales unused
     folded = fp8 and config.fold_fp8_scales and scales.shape[-1] <= MAX_GROUPS  # the scales folded into the dots (mla_decode_fp8.py)
